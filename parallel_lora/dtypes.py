@@ -1,0 +1,52 @@
+"""The dtype policy: one function decides the compute dtype, one applies the boundary casts.
+
+Rule (DESIGN section 2): the compute dtype is the base layer's output dtype, i.e. the autocast dtype when
+autocast is active on ``x``'s device, otherwise the base weight's dtype. Casts happen *outside* the
+autograd Function, so autograd routes every gradient back through them and each gradient arrives in its
+own tensor's dtype (fp32 master adapters get fp32 grads, a bf16 activation gets a bf16 grad).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the base layer would produce for ``F.linear(x, weight)``.
+
+    Under autocast on ``x``'s device this is the autocast dtype, even when ``x`` itself was promoted to
+    fp32 (e.g. by ``torch.square`` inside a ReLU^2 MLP); otherwise it is ``weight.dtype``.
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Differentiable cast that is a no-op (no copy, no graph node) when ``t`` already has ``dtype``."""
+    if t is None or t.dtype == dtype:
+        return t
+    return t.to(dtype)
+
+
+def canonicalize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    *,
+    cast_adapters: bool,
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Apply the boundary casts for one call of the LoRA op.
+
+    Returns ``(dtype, x, weight, bias, lora_A, lora_B)`` where ``x``, ``weight`` and ``bias`` are in the
+    compute dtype. The adapters are cast too when ``cast_adapters`` (the fused path: one operand dtype per
+    kernel); the eager path keeps them in their own dtype and casts only the LoRA addend.
+    """
+    dtype = compute_dtype(x, weight)
+    x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
+    if cast_adapters:
+        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
+    return dtype, x, weight, bias, lora_A, lora_B

@@ -1,0 +1,205 @@
+"""The functional LoRA op, its autograd Function and the backend choice.
+
+``lora_linear`` applies the dtype policy (``parallel_lora.dtypes``) at the boundary, *outside* the
+autograd Function, then runs one backend on 2-D views:
+
+    x [*, K] -> y [*, N] = x W^T + b + s * (drop(x) A^T) B^T,   y.dtype == the base output dtype
+
+Saved for backward: ``x`` (the caller's tensor, in the compute dtype; no fp32 copy of a bf16 ``x``), the
+parameters, and ``S = s * drop(x) A^T`` ``[M, r]``. Dropout masks are regenerated from a seed.
+The tensor-parallel layers call ``lora_linear_local`` on their shards (``parallel_lora.parallel``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from . import eager
+from .dropout import Dropout, new_seed
+from .dtypes import canonicalize
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA (when Triton imports), ``"torch"`` otherwise."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch' (or 'auto'), "
+            "or set TRITON_INTERPRET=1 before importing parallel_lora to run the kernels in Triton's interpreter"
+        )
+    return backend
+
+
+def _impl(backend: str) -> ModuleType:
+    if backend == "triton":
+        from . import kernels
+
+        return kernels
+    return eager
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """One LoRA linear on already-canonicalized tensors.
+
+    Inputs: ``x [*, K]``, ``W [N, K]``, ``b [N]`` and ``x``/``W``/``b`` in the compute dtype; ``A [r, K]``,
+    ``B [N, r]`` in the compute dtype (fused path) or their own dtype (eager path). Output ``[*, N]`` in the
+    compute dtype. Backward returns each gradient in its input's dtype; ``dW``/``db`` only if they require
+    grad (the base is normally frozen).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_gather=None):
+        impl = _impl(backend)
+        # Sequence parallel: x is this rank's sequence shard; gather it once for base and LoRA together,
+        # but save only the shard (W is frozen, so only dA needs the full x, gathered again in backward).
+        x_full = x if input_gather is None else input_gather.gather(x)
+        x2d = x_full.reshape(-1, x_full.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y2d, s_lora = impl.forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
+        ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
+        ctx.scale, ctx.dropout, ctx.backend, ctx.input_gather = scale, dropout, backend, input_gather
+        ctx.has_bias = bias is not None
+        return y2d.reshape(*x_full.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, lora_A, lora_B, s_lora = ctx.saved_tensors
+        needs_dx, needs_dW, needs_db, needs_dA, needs_dB = ctx.needs_input_grad[:5]
+        gather = ctx.input_gather
+        x_full = x if gather is None or not (needs_dA or needs_dW) else gather.gather(x)
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        x2d = x_full.reshape(-1, x_full.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            dx, dA, dB = _impl(ctx.backend).backward(
+                dy2d, x2d, weight, lora_A, lora_B, s_lora, ctx.scale, ctx.dropout,
+                needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
+            )
+            # A trainable base is not the LoRA use case, but its gradient must not be silently dropped.
+            dW = dy2d.t() @ x2d if needs_dW else None
+            db = dy2d.sum(0) if needs_db and ctx.has_bias else None
+        if dx is not None:
+            dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
+            if gather is not None:
+                dx = gather.scatter_grad(dx)
+        return dx, dW, db, dA, dB, None, None, None, None
+
+
+def check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the expected shapes and dtypes."""
+    for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"x must have last dimension in_features={k} (weight is [{n}, {k}]), got shape {tuple(x.shape)}"
+        )
+    if lora_A.dim() != 2 or lora_A.shape[1] != k:
+        raise ValueError(f"lora_A must be [r, in_features={k}], got shape {tuple(lora_A.shape)}")
+    r = lora_A.shape[0]
+    if tuple(lora_B.shape) != (n, r):
+        raise ValueError(f"lora_B must be [out_features={n}, r={r}], got shape {tuple(lora_B.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [out_features={n}], got shape {tuple(bias.shape)}")
+    devices = {t.device for t in (x, weight, bias, lora_A, lora_B) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"x, weight, bias, lora_A and lora_B must be on one device, got {sorted(map(str, devices))}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+
+def lora_linear_local(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+    backend: str,
+) -> torch.Tensor:
+    """Canonicalize dtypes and run the op on local tensors (a whole layer, or one rank's shards).
+
+    ``backend`` must already be resolved. Returns the base output dtype.
+    """
+    cast_adapters = backend == "triton"
+    _, x, weight, bias, lora_A, lora_B = canonicalize(x, weight, bias, lora_A, lora_B, cast_adapters=cast_adapters)
+    return LoRALinearFunction.apply(x, weight, bias, lora_A, lora_B, float(scale), dropout, backend)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    *,
+    dropout_position: str = "pre",
+    dropout_seed: int | None = None,
+) -> torch.Tensor:
+    """``y = x W^T + b + scale * (drop(x) A^T) B^T`` with dtype canonicalization.
+
+    Args:
+        x: ``[*, K]``, any float dtype; autocast-promoted fp32 activations compute in the autocast dtype.
+        weight: ``[N, K]`` base weight (normally frozen); its dtype is the compute dtype outside autocast.
+        bias: ``[N]`` or ``None``.
+        lora_A, lora_B: ``[r, K]`` and ``[N, r]``, any float dtype (e.g. fp32 masters over a bf16 base).
+        scale: ``alpha / r`` (or ``alpha / sqrt(r)``).
+        dropout_p: dropout on the LoRA branch, active only when ``training``.
+        backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
+        dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
+        dropout_seed: seed of the counter-based mask; drawn from the CPU generator when ``None``.
+
+    Returns:
+        ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
+    """
+    check_inputs(x, weight, bias, lora_A, lora_B, scale)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_position not in ("pre", "post"):
+        raise ValueError(f"dropout_position must be 'pre' or 'post', got {dropout_position!r}")
+    backend = resolve_backend(backend, x.device)
+    dropout = None
+    if training and dropout_p > 0.0:
+        seed = new_seed() if dropout_seed is None else int(dropout_seed)
+        dropout = Dropout(p=float(dropout_p), seed=seed, position=dropout_position)
+    return lora_linear_local(x, weight, bias, lora_A, lora_B, scale, dropout, backend)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The base layer alone (for ``disable_adapter`` and merged layers), with the same dtype rule."""
+    _, x, weight, bias, _, _ = canonicalize(x, weight, bias, weight, weight, cast_adapters=False)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,173 @@
+"""Single-device LoRA layer and ``apply_lora``, the in-place swap of matching ``nn.Linear``s.
+
+``LoRALinear`` keeps the base ``weight``/``bias`` frozen at ``nn.Linear``'s names and adds
+``lora_A.weight [r, in]`` and ``lora_B.weight [out, r]`` (PEFT's names and shapes) in
+``config.lora_dtype or weight.dtype``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+from .config import LoRAConfig
+from .dropout import Dropout, new_seed
+from .functional import check_inputs, linear, lora_linear_local, resolve_backend
+
+
+def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Initialise a *global* ``A [r, in]`` in place, so the result never depends on how it is sharded later."""
+    r, fan_in = weight.shape
+    with torch.no_grad():
+        if config.init_A == "kaiming":
+            # PEFT's default: kaiming_uniform_(a=sqrt(5)) -> U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+            bound = 1.0 / math.sqrt(fan_in)
+            weight.uniform_(-bound, bound, generator=generator)
+        elif config.init_A == "xavier":
+            bound = math.sqrt(6.0 / (fan_in + r))
+            weight.uniform_(-bound, bound, generator=generator)
+        else:  # gaussian
+            weight.normal_(0.0, 1.0 / r, generator=generator)
+    return weight
+
+
+def make_dropout(config: LoRAConfig, training: bool, seed: int | None = None, k_offset: int = 0) -> Dropout | None:
+    """The dropout of one forward call, or ``None`` when it is inactive."""
+    if not training or config.dropout == 0.0:
+        return None
+    return Dropout(
+        p=config.dropout, seed=new_seed() if seed is None else seed, position=config.dropout_position, k_offset=k_offset
+    )
+
+
+class LoRALinear(nn.Module):
+    """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
+
+    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora.dtypes``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: LoRAConfig,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.config = in_features, out_features, config
+        factory = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory), requires_grad=False) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self._add_adapters()
+
+    def _add_adapters(self) -> None:
+        w, r = self.weight, self.config.r
+        lora_dtype = self.config.lora_dtype or w.dtype
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, dtype=lora_dtype, device=w.device)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, dtype=lora_dtype, device=w.device)
+        self.reset_lora_parameters()
+        self.merged = False
+        self.adapter_enabled = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: LoRAConfig) -> LoRALinear:
+        """Wrap an existing ``nn.Linear``: its weight and bias are shared (not copied) and frozen."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features, module.config = linear.in_features, linear.out_features, config
+        module.weight, module.bias = linear.weight, linear.bias
+        for p in (module.weight, module.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        module._add_adapters()
+        return module
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
+        init_lora_A_(self.lora_A.weight, self.config, generator)
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged or not self.adapter_enabled:
+            return linear(x, self.weight, self.bias)
+        A, B = self.lora_A.weight, self.lora_B.weight
+        check_inputs(x, self.weight, self.bias, A, B, self.scale)
+        backend = resolve_backend(self.config.backend, x.device)
+        dropout = make_dropout(self.config, self.training)
+        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, dropout, backend)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"r={c.r}, alpha={c.alpha}, dropout={c.dropout}, merged={self.merged}"
+        )
+
+
+def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
+    if targets == "all-linear":
+        # PEFT's "all-linear" leaves the output projection alone.
+        return name.rsplit(".", 1)[-1] != "lm_head"
+    if isinstance(targets, str):
+        targets = (targets,)
+    last = name.rsplit(".", 1)[-1]
+    return any(name == t or last == t or fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(last, t) for t in targets)
+
+
+def iter_target_linears(model: nn.Module, config: LoRAConfig) -> Iterator[tuple[str, nn.Linear]]:
+    """``(dotted name, module)`` of every plain ``nn.Linear`` in ``model`` that ``config.target_modules`` selects."""
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and name and _matches(name, config.target_modules):
+            yield name, module
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn.Module:
+    """Swap every matching ``nn.Linear`` for a ``LoRALinear`` in place and freeze everything else.
+
+    Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}``.
+    Raises ``ValueError`` (listing some module names) when nothing matches.
+    """
+    matched = list(iter_target_linears(model, config))
+    if not matched:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+        raise ValueError(
+            f"apply_lora: no nn.Linear matches target_modules={config.target_modules!r}; "
+            f"linear modules in this model include {linears or 'none'}"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, linear_module in matched:
+        _set_submodule(model, name, LoRALinear.from_linear(linear_module, config))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    model.lora_summary = {"modules": [n for n, _ in matched], "trainable": trainable, "total": total}
+    if verbose:
+        print(
+            f"apply_lora: {len(matched)} modules adapted; trainable params: {trainable:,} / {total:,} "
+            f"({100.0 * trainable / max(total, 1):.4f}%)"
+        )
+    return model
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every LoRA layer in ``model`` (single-device or tensor-parallel), by dotted name."""
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "merged"):
+            yield name, module
