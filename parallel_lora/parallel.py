@@ -1,0 +1,319 @@
+"""Column- and row-parallel LoRA linears: DTensor parameters, Megatron-style plain-tensor I/O.
+
+Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.layouts``:
+
+column  x [*, K] full (SP: [.., S/tp, .., K])  ->  y_local [*, N/tp]
+        fwd: none (SP: all-gather x, once for base and LoRA)
+        bwd: dx_i = dy_i W_i + s (dy_i B_i) A, summed by ONE all-reduce (SP: reduce-scatter);
+             dA is a Partial sum over ranks, all-reduced once; dB_i is complete
+row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
+        fwd: partial_i = x_i W_i^T + s (x_i A_i^T) B^T, summed by ONE all-reduce (SP: reduce-scatter),
+             bias added once after it
+        bwd: none on activations (SP: the base's all-gather of dy); dB is a Partial sum, all-reduced once
+
+Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
+Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
+adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from .comm import SequenceGather, copy_to_tp, reduce_from_tp, reduce_replicated_grad, reduce_scatter_sp
+from .config import LoRAConfig
+from .dtypes import cast_to, compute_dtype
+from .functional import LoRALinearFunction, resolve_backend
+from .layers import LoRALinear, make_dropout
+from .layouts import LAYOUTS
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: successive steps get well-spread seeds
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"tensor-parallel LoRA layers need a 1-D mesh, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+            "pass the tensor-parallel slice, e.g. mesh['tp']"
+        )
+
+
+def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(mesh.device_type)
+    device = torch.device(device)
+    if device.type != mesh.device_type:
+        raise ValueError(f"module device {device} does not match the mesh's device type '{mesh.device_type}'")
+    return device
+
+
+class _ParallelLoRALinear(nn.Module):
+    kind: str = ""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: LoRAConfig,
+        mesh: DeviceMesh,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        sequence_dim: int = 1,
+    ) -> None:
+        super().__init__()
+        _check_mesh(mesh)
+        self._check_divisible(in_features, out_features, mesh.size())
+        device = _mesh_device(mesh, device)
+        # Draw the *global* tensors in LoRALinear's order (W, then A) so one seed gives the same full layer at
+        # every TP size, then let rank 0's values be scattered/broadcast.
+        full = LoRALinear(in_features, out_features, config, bias=bias, dtype=dtype, device=device)
+        self._distribute_from(full, mesh, sequence_parallel, sequence_dim)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        config: LoRAConfig,
+        mesh: DeviceMesh,
+        sequence_parallel: bool = False,
+        *,
+        sequence_dim: int = 1,
+    ) -> _ParallelLoRALinear:
+        """Shard a full ``nn.Linear`` (rank 0's copy is the source); fresh adapters drawn from global shapes."""
+        return cls.from_lora_linear(LoRALinear.from_linear(linear, config), mesh, sequence_parallel, sequence_dim=sequence_dim)
+
+    @classmethod
+    def from_lora_linear(
+        cls, module: LoRALinear, mesh: DeviceMesh, sequence_parallel: bool = False, *, sequence_dim: int = 1
+    ) -> _ParallelLoRALinear:
+        """Turn a full ``LoRALinear`` into this parallel layer *in place* (keeping its current adapter values,
+        taken from rank 0) and return it. ``parallelize_module`` needs the in-place form."""
+        _check_mesh(mesh)
+        if module.merged:
+            raise ValueError("unmerge_lora() the module before sharding it: a merged base would shard its update twice")
+        cls._check_divisible(module.in_features, module.out_features, mesh.size())
+        _mesh_device(mesh, module.weight.device)
+        module.__class__ = cls
+        module._distribute_from(module, mesh, sequence_parallel, sequence_dim)
+        return module
+
+    @classmethod
+    def _check_divisible(cls, in_features: int, out_features: int, tp: int) -> None:
+        dim_name, size = ("out_features", out_features) if cls.kind == "column" else ("in_features", in_features)
+        if size % tp != 0:
+            raise ValueError(
+                f"{cls.__name__}: {dim_name}={size} must be divisible by the tensor-parallel size {tp}"
+            )
+
+    def _distribute_from(self, src: LoRALinear, mesh: DeviceMesh, sequence_parallel: bool, sequence_dim: int) -> None:
+        layout = LAYOUTS[self.kind]
+        weight, bias = src.weight.detach(), None if src.bias is None else src.bias.detach()
+        lora_A, lora_B = src.lora_A.weight.detach(), src.lora_B.weight.detach()
+        self.in_features, self.out_features, self.config = src.in_features, src.out_features, src.config
+        self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
+        self.merged, self.adapter_enabled = False, True
+        self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
+
+        def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
+            return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
+
+        self.weight = param(weight, layout.weight, False)
+        self.bias = None if bias is None else param(bias, layout.bias, False)
+        self.lora_A, self.lora_B = src.lora_A, src.lora_B  # containers kept; their weights become DTensors
+        self.lora_A.weight = param(lora_A, layout.lora_A, True)
+        self.lora_B.weight = param(lora_B, layout.lora_B, True)
+        # Dropout masks must agree across ranks (A or B is replicated): one base seed from rank 0, then a
+        # per-step counter that every rank advances identically.
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=weight.device)
+        self._seed_base = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
+        self._seed_step = 0
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+    def _group(self):
+        return self.mesh.get_group()
+
+    def _dropout(self, k_offset: int):
+        if not self.training or self.config.dropout == 0.0:
+            return None
+        self._seed_step += 1
+        seed = (self._seed_base + self._seed_step * _SEED_STRIDE) % 2**62
+        return make_dropout(self.config, True, seed=seed, k_offset=k_offset)
+
+    def _check_input(self, x: torch.Tensor, width: int) -> None:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            raise TypeError(f"{type(self).__name__} takes a plain local torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{type(self).__name__}: x must be floating point, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != width:
+            raise ValueError(
+                f"{type(self).__name__}: expected input of last dimension {width} "
+                f"({self._width_note()}), got shape {tuple(x.shape)}"
+            )
+        if x.device.type != self.mesh.device_type:
+            raise ValueError(f"{type(self).__name__}: input on {x.device}, but the mesh is on '{self.mesh.device_type}'")
+        if self.sequence_parallel and x.dim() <= self.sequence_dim:
+            raise ValueError(
+                f"{type(self).__name__}: sequence_parallel needs x with a sequence dim {self.sequence_dim}, "
+                f"got shape {tuple(x.shape)}"
+            )
+
+    def _width_note(self) -> str:
+        return f"in_features={self.in_features}"
+
+    def _local_factors(self, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local adapter shards; the replicated one gets its gradient all-reduced (in its own dtype, before
+        the cast to the compute dtype is undone) once per backward, unless inside ``no_sync``."""
+        group = self._group()
+        A, B = self.lora_A.weight, self.lora_B.weight
+        a_local, b_local = A.to_local(), B.to_local()
+        if LAYOUTS[self.kind].replicated_factor == "lora_A":
+            a_local = reduce_replicated_grad(a_local, A, group, self.grad_sync)
+        else:
+            b_local = reduce_replicated_grad(b_local, B, group, self.grad_sync)
+        if backend == "triton":  # one operand dtype per kernel
+            a_local, b_local = cast_to(a_local, dtype), cast_to(b_local, dtype)
+        return a_local, b_local
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
+            f"r={c.r}, alpha={c.alpha}, bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLoRALinear(_ParallelLoRALinear):
+    """Column-parallel LoRA linear: ``W`` Shard(0), ``A`` Replicate, ``B`` Shard(0), bias Shard(0).
+
+    Input ``[*, in]`` (full; sequence shard along ``sequence_dim`` with SP) -> output ``[*, out/tp]`` in the
+    base output dtype. Forward issues no collective (SP: one all-gather of x); backward one all-reduce of
+    dx carrying base and LoRA terms together (SP: one reduce-scatter, plus one all-gather of the saved x
+    shard for dA) and one all-reduce of dA.
+    """
+
+    kind = "column"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features)
+        backend = resolve_backend(self.config.backend, x.device)
+        w_local = self.weight.to_local()
+        dtype = compute_dtype(x, w_local)
+        x = cast_to(x, dtype)
+        w_local = cast_to(w_local, dtype)
+        b_local = None if self.bias is None else cast_to(self.bias.to_local(), dtype)
+        gather = SequenceGather(self.sequence_dim, self._group()) if self.sequence_parallel else None
+        if gather is None:
+            x = copy_to_tp(x, self._group())
+        if self.merged or not self.adapter_enabled:
+            x_full = x if gather is None else _gather_input(x, gather)
+            return nn.functional.linear(x_full, w_local, b_local)
+        a_local, b_lora = self._local_factors(dtype, backend)
+        return LoRALinearFunction.apply(
+            x, w_local, b_local, a_local, b_lora, float(self.scale), self._dropout(0), backend, gather
+        )
+
+
+class RowParallelLoRALinear(_ParallelLoRALinear):
+    """Row-parallel LoRA linear: ``W`` Shard(1), ``A`` Shard(1), ``B`` Replicate, bias Replicate.
+
+    Input ``[*, in/tp]`` -> output ``[*, out]`` (sequence shard with SP) in the base output dtype. The LoRA
+    partial joins the base partial before the one all-reduce (SP: reduce-scatter); the bias is added once
+    after it. Backward issues no activation collective (SP: the base's all-gather of dy) and one all-reduce
+    of dB.
+    """
+
+    kind = "row"
+
+    def _width_note(self) -> str:
+        return f"in_features/tp = {self.in_features}/{self.tp_size}, this rank's shard"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = self.tp_size
+        self._check_input(x, self.in_features // tp)
+        if self.sequence_parallel and x.shape[self.sequence_dim] % tp != 0:
+            raise ValueError(
+                f"RowParallelLoRALinear: sequence length {x.shape[self.sequence_dim]} (dim {self.sequence_dim}) "
+                f"must be divisible by the tensor-parallel size {tp} under sequence_parallel"
+            )
+        backend = resolve_backend(self.config.backend, x.device)
+        w_local = self.weight.to_local()
+        dtype = compute_dtype(x, w_local)
+        x = cast_to(x, dtype)
+        w_local = cast_to(w_local, dtype)
+        if self.merged or not self.adapter_enabled:
+            partial = nn.functional.linear(x, w_local)
+        else:
+            a_local, b_lora = self._local_factors(dtype, backend)
+            k_offset = self.mesh.get_local_rank() * (self.in_features // tp)
+            partial = LoRALinearFunction.apply(
+                x, w_local, None, a_local, b_lora, float(self.scale), self._dropout(k_offset), backend, None
+            )
+        group = self._group()
+        y = reduce_scatter_sp(partial, self.sequence_dim, group) if self.sequence_parallel else reduce_from_tp(partial, group)
+        if self.bias is not None:
+            y = y + cast_to(self.bias.to_local(), dtype)
+        return y
+
+
+class _GatherInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gather):
+        ctx.gather = gather
+        return gather.gather(x)
+
+    @staticmethod
+    def backward(ctx, dx_full):
+        return ctx.gather.scatter_grad(dx_full), None
+
+
+def _gather_input(x: torch.Tensor, gather: SequenceGather) -> torch.Tensor:
+    return _GatherInput.apply(x, gather)
+
+
+def parallel_lora_modules(model: nn.Module) -> Iterator[_ParallelLoRALinear]:
+    return (m for m in model.modules() if isinstance(m, _ParallelLoRALinear))
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Defer the replicated-factor gradient all-reduces of every parallel LoRA layer in ``model``.
+
+    Backwards inside the context leave those gradients as local Partial sums; the first backward after it
+    reduces them together with its own contribution in the same single all-reduce. Use it for all but the
+    last micro-step of gradient accumulation::
+
+        for i, batch in enumerate(micro_batches):
+            ctx = no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
+            with ctx:
+                loss_fn(model(batch)).backward()
+    """
+    modules = list(parallel_lora_modules(model))
+    previous = [m.grad_sync for m in modules]
+    for m in modules:
+        m.grad_sync = False
+    try:
+        yield
+    finally:
+        for m, p in zip(modules, previous):
+            m.grad_sync = p
