@@ -12,7 +12,7 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "numpy"],
+        "test": ["pytest>=8", "numpy", "peft>=0.13", "tqdm", "matplotlib"],
         "dev": ["pytest>=8", "numpy", "ruff", "matplotlib", "tqdm"],
     },
 )

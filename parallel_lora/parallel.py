@@ -93,7 +93,8 @@ class _ParallelLoRALinear(nn.Module):
         sequence_dim: int = 1,
     ) -> _ParallelLoRALinear:
         """Shard a full ``nn.Linear`` (rank 0's copy is the source); fresh adapters drawn from global shapes."""
-        return cls.from_lora_linear(LoRALinear.from_linear(linear, config), mesh, sequence_parallel, sequence_dim=sequence_dim)
+        module = LoRALinear.from_linear(linear, config)
+        return cls.from_lora_linear(module, mesh, sequence_parallel, sequence_dim=sequence_dim)
 
     @classmethod
     def from_lora_linear(
@@ -171,7 +172,9 @@ class _ParallelLoRALinear(nn.Module):
                 f"({self._width_note()}), got shape {tuple(x.shape)}"
             )
         if x.device.type != self.mesh.device_type:
-            raise ValueError(f"{type(self).__name__}: input on {x.device}, but the mesh is on '{self.mesh.device_type}'")
+            raise ValueError(
+                f"{type(self).__name__}: input on {x.device}, but the mesh is on '{self.mesh.device_type}'"
+            )
         if self.sequence_parallel and x.dim() <= self.sequence_dim:
             raise ValueError(
                 f"{type(self).__name__}: sequence_parallel needs x with a sequence dim {self.sequence_dim}, "
@@ -270,7 +273,10 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
                 x, w_local, None, a_local, b_lora, float(self.scale), self._dropout(k_offset), backend, None
             )
         group = self._group()
-        y = reduce_scatter_sp(partial, self.sequence_dim, group) if self.sequence_parallel else reduce_from_tp(partial, group)
+        if self.sequence_parallel:
+            y = reduce_scatter_sp(partial, self.sequence_dim, group)
+        else:
+            y = reduce_from_tp(partial, group)
         if self.bias is not None:
             y = y + cast_to(self.bias.to_local(), dtype)
         return y
@@ -315,5 +321,5 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, p in zip(modules, previous):
+        for m, p in zip(modules, previous, strict=True):
             m.grad_sync = p

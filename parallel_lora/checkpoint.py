@@ -1,0 +1,286 @@
+"""Adapter files in Hugging Face PEFT's format, and resumable training-state checkpoints.
+
+Adapter files (``save_adapter`` / ``load_adapter``): a directory with
+
+- ``adapter_model.safetensors``: full (gathered) tensors under PEFT's keys
+  ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``;
+- ``adapter_config.json``: PEFT's ``LoraConfig`` fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
+
+Every file is written to a temporary name in the same directory and renamed into place, so a crash never
+leaves a torn file; tensors are written before the config that describes them.
+
+Training state (``save_checkpoint`` / ``load_checkpoint``): ``torch.distributed.checkpoint`` (sharded,
+reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states, in
+``<dir>/step_<N>``. The directory is written under a ``.tmp`` name and renamed once every rank has
+finished, so an interrupted save is never picked up as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .layers import lora_modules
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+_FACTORS = ("lora_A", "lora_B")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)`` then fsync and rename over ``path``: readers see the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    modules = list(lora_modules(model))
+    if not modules:
+        raise ValueError("the model has no LoRA layers (run apply_lora or build it from parallel_lora layers)")
+    return modules
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def peft_config(model: nn.Module) -> dict[str, Any]:
+    """The ``adapter_config.json`` contents PEFT writes for this model's adapters."""
+    modules = _adapter_modules(model)
+    configs = {(m.config.r, m.config.alpha, m.config.dropout, m.config.use_rslora) for _, m in modules}
+    if len(configs) != 1:
+        raise ValueError(f"save_adapter needs one LoRAConfig (r, alpha, dropout, rslora) for all layers, got {configs}")
+    config = modules[0][1].config
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": None,
+        "revision": None,
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _ in modules}),
+        "exclude_modules": None,
+        "bias": "none",
+        "use_rslora": config.use_rslora,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write the adapters of ``model`` (single-device or tensor-parallel) to the directory ``path``.
+
+    Collective under TP: every rank must call it (each gathers its shards); rank 0 writes.
+    """
+    from safetensors.torch import save_file
+
+    modules = _adapter_modules(model)
+    config = peft_config(model)
+    tensors = {}
+    for name, m in modules:
+        for factor in _FACTORS:
+            full = _full(getattr(m, factor).weight.detach())
+            tensors[f"{_PEFT_PREFIX}{name}.{factor}.weight"] = full.cpu().contiguous()
+    if _rank() == 0:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        _atomic_write(out / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    _barrier()
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load adapters saved by ``save_adapter`` or by PEFT into ``model``, at any TP size.
+
+    Checks ``r``, ``lora_alpha``, the key set and every shape before touching the model: on any mismatch
+    or an unreadable/truncated file it raises ``ValueError`` naming the key and shapes, and the model is
+    unchanged. Every rank reads the file and keeps its own shard (no communication).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    weights_path, config_path = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
+    for p in (weights_path, config_path):
+        if not p.is_file():
+            raise ValueError(f"load_adapter: {p} does not exist")
+    try:
+        file_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_adapter: {config_path} is not valid JSON ({e})") from e
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
+
+    modules = _adapter_modules(model)
+    config = modules[0][1].config
+    if file_config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"load_adapter: {config_path} has peft_type={file_config.get('peft_type')!r}, expected 'LORA'")
+    if file_config.get("r") != config.r or float(file_config.get("lora_alpha", -1)) != float(config.alpha):
+        raise ValueError(
+            f"load_adapter: file has r={file_config.get('r')}, lora_alpha={file_config.get('lora_alpha')}; "
+            f"the model has r={config.r}, alpha={config.alpha}"
+        )
+    if bool(file_config.get("use_rslora", False)) != config.use_rslora:
+        raise ValueError(
+            f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, model has {config.use_rslora}"
+        )
+
+    # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
+    normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}
+    plan = []
+    expected = set()
+    for name, m in modules:
+        shapes = {"lora_A": (config.r, m.in_features), "lora_B": (m.out_features, config.r)}
+        for factor in _FACTORS:
+            key = f"{_PEFT_PREFIX}{name}.{factor}.weight"
+            expected.add(key)
+            if key not in normalized:
+                raise ValueError(f"load_adapter: {weights_path} has no tensor '{key}' (model module '{name}')")
+            t = normalized[key]
+            if tuple(t.shape) != shapes[factor]:
+                raise ValueError(
+                    f"load_adapter: '{key}' has shape {tuple(t.shape)}, the model expects {shapes[factor]}"
+                )
+            plan.append((getattr(m, factor).weight, t))
+    unexpected = sorted(set(normalized) - expected)
+    if unexpected:
+        raise ValueError(f"load_adapter: {weights_path} has tensors the model lacks, e.g. {unexpected[:4]}")
+
+    with torch.no_grad():
+        for param, full in plan:
+            full = full.to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                # Each rank already holds the full tensor: keep its own shard, no communication.
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+    return model
+
+
+# -- training-state checkpoints ------------------------------------------------------------------------------
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete ``step_<N>`` directory under ``root`` (``.tmp`` directories are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    steps = [(s, p) for s, p in steps if (p / ".complete").is_file()]
+    return max(steps)[1] if steps else None
+
+
+def _trainable_state(model: nn.Module, optimizer: torch.optim.Optimizer):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict | None = None
+) -> Path:
+    """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``; collective.
+
+    Written to ``step_<step>.tmp`` first, marked complete, and renamed by rank 0 after a barrier.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = _trainable_state(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        # Dropout seed counters of the parallel layers, so a resumed run draws the same masks.
+        seed_steps = {n: m._seed_step for n, m in lora_modules(model) if hasattr(m, "_seed_step")}
+        meta = {"step": step, "extra": extra or {}, "dropout_seed_steps": seed_steps}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / ".complete").write_text("")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # the commit point: a step_<N> directory is always complete
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore a ``save_checkpoint`` directory (resharding to the current TP layout); returns its metadata
+    ``{"step": ..., "extra": ...}``. RNG states are restored when this rank saved one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    path = Path(path)
+    if not (path / ".complete").is_file():
+        raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
+    model_state, optim_state = _trainable_state(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    meta = json.loads((path / "meta.json").read_text())
+    seed_steps = meta.get("dropout_seed_steps", {})
+    for name, m in lora_modules(model):
+        if name in seed_steps and hasattr(m, "_seed_step"):
+            m._seed_step = seed_steps[name]
+    return meta

@@ -1,0 +1,214 @@
+"""Adapter files (PEFT format) and training-state checkpoints on one process.
+
+References: Hugging Face PEFT itself (it must load what we save and we must load what it saves, with the
+same outputs), and the model state before saving (a load must restore it exactly). Multi-rank resharding
+is in ``test_checkpoint_parallel.py``.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from parallel_lora import (
+    LoRAConfig,
+    apply_lora,
+    latest_checkpoint,
+    load_adapter,
+    load_checkpoint,
+    save_adapter,
+    save_checkpoint,
+)
+from parallel_lora.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+TARGETS = ("q_proj", "up_proj", "down_proj")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(12, 12)
+        self.up_proj = nn.Linear(12, 20, bias=False)
+        self.down_proj = nn.Linear(20, 12)
+        self.head = nn.Linear(12, 12)  # not adapted
+
+    def forward(self, x):
+        return self.head(self.down_proj(torch.relu(self.up_proj(self.q_proj(x)))))
+
+
+def _base():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def _adapted(base, r=4, alpha=8, seed=1):
+    torch.manual_seed(seed)
+    model = apply_lora(copy.deepcopy(base), LoRAConfig(r=r, alpha=alpha, target_modules=TARGETS), verbose=False)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    return model
+
+
+def _adapter_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_saved_file_has_peft_keys_shapes_and_config(tmp_path):
+    model = _adapted(_base())
+    save_adapter(model, tmp_path)
+    tensors = load_file(tmp_path / ADAPTER_WEIGHTS)
+    assert tensors["base_model.model.0.q_proj.lora_A.weight"].shape == (4, 12)
+    assert tensors["base_model.model.1.up_proj.lora_B.weight"].shape == (20, 4)
+    assert len(tensors) == 2 * 2 * len(TARGETS)
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["bias"] == "none" and config["use_rslora"] is False
+    assert sorted(config["target_modules"]) == sorted(TARGETS)
+
+
+def test_peft_loads_our_adapter_with_identical_outputs(tmp_path):
+    peft = pytest.importorskip("peft")
+    base = _base()
+    ours = _adapted(base)
+    save_adapter(ours, tmp_path)
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    x = torch.randn(7, 12)
+    torch.testing.assert_close(theirs(x), ours(x), atol=1e-6, rtol=1e-6)
+    # and through get_peft_model + set_peft_model_state_dict, the issue's route
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS))
+    model = peft.get_peft_model(copy.deepcopy(base), cfg)
+    peft.set_peft_model_state_dict(model, load_file(tmp_path / ADAPTER_WEIGHTS))
+    torch.testing.assert_close(model(x), ours(x), atol=1e-6, rtol=1e-6)
+
+
+def test_we_load_an_adapter_peft_saved(tmp_path):
+    peft = pytest.importorskip("peft")
+    base = _base()
+    torch.manual_seed(3)
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS)))
+    for name, p in theirs.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    theirs.save_pretrained(tmp_path)
+    ours = _adapted(base, seed=9)
+    load_adapter(ours, tmp_path)
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-6)
+
+
+def test_round_trip_restores_adapters_exactly(tmp_path):
+    base = _base()
+    saved = _adapted(base, seed=1)
+    save_adapter(saved, tmp_path)
+    fresh = _adapted(base, seed=2)
+    assert not all(torch.equal(a, b) for a, b in zip(_adapter_state(saved).values(), _adapter_state(fresh).values(),
+                                                      strict=True))
+    load_adapter(fresh, tmp_path)
+    for k, v in _adapter_state(saved).items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        ("truncate", "truncated or corrupt"),
+        ("wrong_r", "r=2"),
+        ("wrong_alpha", "lora_alpha=3"),
+        ("missing_key", "base_model.model.1.down_proj.lora_B.weight"),
+        ("wrong_shape", r"\(4, 13\)"),
+        ("extra_key", "lacks"),
+    ],
+)
+def test_bad_file_is_refused_and_model_left_unchanged(tmp_path, corrupt, message):
+    base = _base()
+    save_adapter(_adapted(base, seed=1), tmp_path)
+    weights, config_path = tmp_path / ADAPTER_WEIGHTS, tmp_path / ADAPTER_CONFIG
+    tensors = load_file(weights)
+    config = json.loads(config_path.read_text())
+    if corrupt == "truncate":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    elif corrupt == "wrong_r":
+        config["r"] = 2
+    elif corrupt == "wrong_alpha":
+        config["lora_alpha"] = 3
+    elif corrupt == "missing_key":
+        del tensors["base_model.model.1.down_proj.lora_B.weight"]
+    elif corrupt == "wrong_shape":
+        # the first tensor stays valid, so a partial load would be visible
+        tensors["base_model.model.1.q_proj.lora_A.weight"] = torch.zeros(4, 13)
+    elif corrupt == "extra_key":
+        tensors["base_model.model.9.q_proj.lora_A.weight"] = torch.zeros(4, 12)
+    if corrupt != "truncate":
+        save_file(tensors, weights)
+        config_path.write_text(json.dumps(config))
+    model = _adapted(base, seed=2)
+    before = _adapter_state(model)
+    with pytest.raises(ValueError, match=message):
+        load_adapter(model, tmp_path)
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), f"{k} changed by a failed load"
+
+
+def test_a_failed_save_leaves_the_previous_adapter_intact(tmp_path, monkeypatch):
+    base = _base()
+    first = _adapted(base, seed=1)
+    save_adapter(first, tmp_path)
+    good = (tmp_path / ADAPTER_WEIGHTS).read_bytes()
+
+    import safetensors.torch
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_adapter(_adapted(base, seed=2), tmp_path)
+    assert (tmp_path / ADAPTER_WEIGHTS).read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_training_checkpoint_restores_adapters_optimizer_step_and_rng(tmp_path):
+    base = _base()
+    model = _adapted(base)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(6, 12)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(123)
+    save_checkpoint(tmp_path, model, opt, step=2, extra={"note": "x"})
+    expected_rand = torch.rand(3)
+    model(x).square().mean().backward()
+    opt.step()
+    expected_after = _adapter_state(model)
+
+    other = _adapted(base, seed=5)
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
+    path = latest_checkpoint(tmp_path)
+    assert path is not None and path.name == "step_00000002"
+    meta = load_checkpoint(path, other, other_opt)
+    assert meta["step"] == 2 and meta["extra"] == {"note": "x"}
+    assert torch.equal(torch.rand(3), expected_rand)
+    other(x).square().mean().backward()
+    other_opt.step()
+    for k, v in expected_after.items():
+        torch.testing.assert_close(other.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_interrupted_save_is_never_the_latest(tmp_path):
+    model = _adapted(_base())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    save_checkpoint(tmp_path, model, opt, step=1)
+    (tmp_path / "step_00000002.tmp").mkdir()  # what a crash mid-save leaves behind
+    (tmp_path / "step_00000003").mkdir()  # a directory without the completion marker
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step_00000003", model, opt)
