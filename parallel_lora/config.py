@@ -48,8 +48,8 @@ class LoRAConfig:
     (Triton on CUDA tensors, torch otherwise)."""
 
     target_modules: tuple[str, ...] | str = field(default=("q_proj", "k_proj", "v_proj", "o_proj"))
-    """Which ``nn.Linear``s ``apply_lora`` adapts: names (matched against the last path component or the
-    full dotted path), shell-style globs (``"layers.*.mlp.*"``), or ``"all-linear"``."""
+    """Which ``nn.Linear``s ``apply_lora`` adapts: names (matched against the full dotted path or any dotted
+    suffix of it, e.g. the last component), shell-style globs (``"layers.*.mlp.*"``), or ``"all-linear"``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -72,7 +72,7 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.lora_dtype must be a floating torch.dtype or None, got {self.lora_dtype!r}")
         if isinstance(self.target_modules, str):
             if not self.target_modules:
-                raise ValueError("LoRAConfig.target_modules must not be empty")
+                raise ValueError(f"LoRAConfig.target_modules must not be empty, got {self.target_modules!r}")
         else:
             modules = tuple(self.target_modules)
             if not modules or not all(isinstance(m, str) and m for m in modules):

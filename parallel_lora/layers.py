@@ -121,14 +121,21 @@ def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
         return name.rsplit(".", 1)[-1] != "lm_head"
     if isinstance(targets, str):
         targets = (targets,)
-    last = name.rsplit(".", 1)[-1]
-    return any(name == t or last == t or fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(last, t) for t in targets)
+    # A target matches the full dotted path or any dotted suffix of it (PEFT's rule: "mlp.up" and "mlp.*"
+    # select "layers.0.mlp.up"); "*" in a glob may span dots.
+    return any(
+        name == t or name.endswith("." + t) or fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(name, "*." + t)
+        for t in targets
+    )
 
 
 def iter_target_linears(model: nn.Module, config: LoRAConfig) -> Iterator[tuple[str, nn.Linear]]:
     """``(dotted name, module)`` of every plain ``nn.Linear`` in ``model`` that ``config.target_modules`` selects."""
+    adapted = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and name and _matches(name, config.target_modules):
+        # An adapter's own lora_A/lora_B are nn.Linears too: never adapt them (apply_lora called twice).
+        inside_lora = any(name.startswith(prefix + ".") for prefix in adapted)
+        if type(module) is nn.Linear and name and not inside_lora and _matches(name, config.target_modules):
             yield name, module
 
 

@@ -1,0 +1,236 @@
+"""``LoRALinear`` and ``apply_lora`` on one device.
+
+Reference: the wrapped ``nn.Linear`` itself (``B = 0`` at init, so the LoRA layer must reproduce it bit for
+bit on the eager path), PEFT's conventions (``lora_A.weight [r, in]``, ``lora_B.weight [out, r]``, A from
+``kaiming_uniform_(a=sqrt(5))``, ``"all-linear"`` leaves ``lm_head`` alone, a target matches a dotted suffix
+of the module path) and the distributions named in ``LoRAConfig.init_A``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parallel_lora import LoRAConfig, LoRALinear, apply_lora
+
+F32, BF16 = torch.float32, torch.bfloat16
+D, V = 16, 24  # model width, vocabulary
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(D, D, bias=True)
+
+    def forward(self, h):
+        return self.o_proj(torch.tanh(self.q_proj(h) * self.k_proj(h)) + self.v_proj(h))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, h):
+        return self.down(torch.relu(self.up(h)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(D), Attention(), MLP()
+
+    def forward(self, h):
+        h = h + self.attn(self.norm(h))
+        return h + self.mlp(h)
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.layers:
+            h = block(h)
+        return self.lm_head(h)
+
+
+ATTN = [f"layers.{i}.attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+MLPS = [f"layers.{i}.mlp.{p}" for i in range(2) for p in ("up", "down")]
+
+
+def lora_params(model):
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRALinear
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_from_linear_shares_and_freezes_the_base(bias):
+    linear = nn.Linear(12, 20, bias=bias)
+    layer = LoRALinear.from_linear(linear, LoRAConfig(r=4))
+    assert layer.weight is linear.weight and layer.bias is linear.bias  # shared, not copied
+    assert not layer.weight.requires_grad
+    assert layer.bias is None or not layer.bias.requires_grad
+    assert layer.lora_A.weight.requires_grad and layer.lora_B.weight.requires_grad
+    assert (layer.in_features, layer.out_features) == (12, 20)
+
+
+@pytest.mark.parametrize(
+    ("base", "lora_dtype", "expected"),
+    [(F32, None, F32), (BF16, None, BF16), (BF16, F32, F32), (F32, BF16, BF16)],
+    ids=["fp32", "bf16", "fp32-over-bf16", "bf16-over-fp32"],
+)
+def test_adapters_have_peft_shapes_in_lora_dtype_or_weight_dtype(base, lora_dtype, expected):
+    layer = LoRALinear.from_linear(nn.Linear(12, 20, dtype=base), LoRAConfig(r=4, lora_dtype=lora_dtype))
+    assert layer.lora_A.weight.shape == (4, 12) and layer.lora_B.weight.shape == (20, 4)
+    assert layer.lora_A.weight.dtype == expected and layer.lora_B.weight.dtype == expected
+    assert layer.lora_A.bias is None and layer.lora_B.bias is None
+
+
+@pytest.mark.parametrize(("base", "lora_dtype"), [(F32, None), (BF16, None), (BF16, F32)],
+                         ids=["fp32", "bf16", "fp32-over-bf16"])  # fmt: skip
+def test_output_equals_the_base_at_init(base, lora_dtype):
+    linear = nn.Linear(12, 20, dtype=base)
+    layer = LoRALinear.from_linear(linear, LoRAConfig(r=4, lora_dtype=lora_dtype, backend="torch"))
+    assert torch.count_nonzero(layer.lora_B.weight) == 0 and torch.count_nonzero(layer.lora_A.weight) > 0
+    x = torch.randn(3, 5, 12, dtype=base)
+    y = layer(x)
+    assert y.dtype == base
+    assert torch.equal(y, linear(x))
+    # Not vacuous: a non-zero B changes the output.
+    with torch.no_grad():
+        layer.lora_B.weight.fill_(1.0)
+    assert not torch.allclose(layer(x), linear(x))
+
+
+def test_constructor_builds_frozen_base_and_trainable_adapters():
+    layer = LoRALinear(12, 20, LoRAConfig(r=4), bias=True, dtype=BF16)
+    assert layer.weight.shape == (20, 12) and layer.bias.shape == (20,)
+    assert layer.weight.dtype == BF16 and not layer.weight.requires_grad and not layer.bias.requires_grad
+    assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["lora_A.weight", "lora_B.weight"]
+
+
+# A [16, 2048] holds 32768 samples: a sample std is within ~0.5% of the true one (3% is > 5 sigma).
+INIT_R, INIT_IN = 16, 2048
+
+
+def _init_A(init):
+    return LoRALinear(INIT_IN, 4, LoRAConfig(r=INIT_R, init_A=init)).lora_A.weight.detach()
+
+
+@pytest.mark.parametrize(
+    ("init", "bound"),
+    [("kaiming", 1 / math.sqrt(INIT_IN)), ("xavier", math.sqrt(6 / (INIT_IN + INIT_R)))],
+)
+def test_uniform_init_A_fills_its_bound(init, bound):
+    a = _init_A(init)
+    assert a.abs().max() <= bound
+    assert a.abs().max() > 0.99 * bound  # fills the range, not a narrower one
+    assert a.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.03)  # U(-b, b) has std b / sqrt(3)
+    assert abs(a.mean().item()) < 4 * bound / math.sqrt(3 * a.numel())
+
+
+def test_gaussian_init_A_has_std_one_over_r():
+    a = _init_A("gaussian")
+    assert a.std().item() == pytest.approx(1 / INIT_R, rel=0.03)
+    assert abs(a.mean().item()) < 4 / (INIT_R * math.sqrt(a.numel()))
+    assert a.abs().max() > 3 / INIT_R  # unbounded tails, unlike the uniform inits
+
+
+def test_init_A_choices_differ():
+    """Not vacuous: the kaiming and xavier checks above use bounds far enough apart to tell them apart."""
+    assert _init_A("xavier").abs().max() > 2 * _init_A("kaiming").abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# apply_lora
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        (("q_proj", "k_proj", "v_proj", "o_proj"), ATTN),
+        (("up",), ["layers.0.mlp.up", "layers.1.mlp.up"]),
+        (("mlp.*",), MLPS),
+        (("layers.*.mlp.*",), MLPS),
+        (("layers.1.attn.q_proj",), ["layers.1.attn.q_proj"]),
+        (("*_proj", "down"), ATTN + ["layers.0.mlp.down", "layers.1.mlp.down"]),
+        ("all-linear", ATTN + MLPS),
+    ],
+    ids=["names", "one-name", "glob-mlp.*", "glob-full-path", "full-path", "glob-and-name", "all-linear"],
+)
+def test_apply_lora_swaps_exactly_the_matching_linears(targets, expected):
+    model = Toy()
+    returned = apply_lora(model, LoRAConfig(r=2, target_modules=targets), verbose=False)
+    assert returned is model
+    swapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert sorted(swapped) == sorted(expected)
+    assert sorted(model.lora_summary["modules"]) == sorted(expected)
+    assert type(model.lm_head) is nn.Linear  # never adapted here, "all-linear" included
+
+
+def test_apply_lora_freezes_everything_but_the_adapters():
+    model = apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_params(model))
+    assert len(trainable) == 2 * len(ATTN + MLPS)
+    assert not model.embed.weight.requires_grad and not model.layers[0].norm.weight.requires_grad
+
+
+def test_lora_summary_counts_adapter_parameters():
+    base_total = sum(p.numel() for p in Toy().parameters())
+    model = apply_lora(Toy(), LoRAConfig(r=3), verbose=False)
+    adapters = sum(p.numel() for p in lora_params(model).values())
+    assert model.lora_summary["trainable"] == adapters == len(ATTN) * 3 * (D + D)
+    assert model.lora_summary["total"] == base_total + adapters
+
+
+def test_apply_lora_keeps_the_model_output_at_init():
+    model = Toy()
+    ids = torch.randint(0, V, (2, 7))
+    before = model(ids)
+    apply_lora(model, LoRAConfig(r=2, target_modules="all-linear", backend="torch"), verbose=False)
+    assert torch.equal(model(ids), before)
+
+
+def test_apply_lora_without_a_match_lists_the_linears():
+    with pytest.raises(ValueError) as err:
+        apply_lora(Toy(), LoRAConfig(target_modules=("gate_proj",)), verbose=False)
+    message = str(err.value)
+    assert "gate_proj" in message and "layers.0.attn.q_proj" in message
+
+
+def test_adamw_step_changes_only_adapter_parameters():
+    model = apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear", backend="torch"), verbose=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Every parameter goes to the optimizer (with weight decay) to show that freezing alone protects the base.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, V, (2, 7))
+    for _ in range(2):  # step 1 moves B off zero; only then does A get a non-zero gradient
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+    adapters = set(lora_params(model))
+    for name, p in model.named_parameters():
+        changed = not torch.equal(p, before[name])
+        assert changed == (name in adapters), f"{name}: changed={changed}"
+
+
+def test_apply_lora_twice_does_not_adapt_the_adapters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    apply_lora(model, LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+    with pytest.raises(ValueError, match="no nn.Linear matches"):
+        apply_lora(model, LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
