@@ -139,7 +139,11 @@ class _ParallelLoRALinear(nn.Module):
         # Dropout masks must agree across ranks (A or B is replicated): one base seed from rank 0, then a
         # per-step counter that every rank advances identically.
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=weight.device)
-        self._seed_base = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
+        seed = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
+        # Different TP groups (data-parallel replicas) see different rows: give each its own stream, keyed by
+        # the global rank of the group's first member, so replicas do not share masks.
+        group_id = int(mesh.mesh.flatten()[0].item())
+        self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
         self._seed_step = 0
 
     # -- helpers -------------------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""Benchmark LoRA linears against the cuBLAS base layer, side by side in one run (needs CUDA).
+
+    python launch/bench_lora.py                      # the DESIGN section 6 shapes
+    python launch/bench_lora.py --quick              # one shape, for a smoke run
+    python launch/bench_lora.py --out results.json   # where to write the JSON (default benchmarks/results/)
+
+For each shape ``M, K, N, r`` it first validates every implementation against an fp32 reference, then
+times, with ``triton.testing.do_bench`` medians:
+
+- ``base``           ``F.linear(x, W)`` (the denominator of every ratio)
+- ``torch_eager``    PEFT-style eager: ``F.linear(x, W) + s * (drop(x) @ A^T) @ B^T``
+- ``addmm``          Unsloth-style: the rank-r product accumulated with ``addmm_`` into the base output
+- ``peft``           the real ``peft`` LoRA layer (when importable)
+- ``parallel_lora``  ours (``LoRALinear``, fused Triton backend)
+
+forward, and forward+backward with W frozen (``torch.autograd.grad`` for x, A, B, so accumulation into
+``.grad`` is not timed; the base's backward is its dx GEMM), and the memory held between forward and
+backward. Prints a table and writes ``{"meta": ..., "rows": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
+
+SHAPES = [
+    (8192, 4096, 4096, 16),
+    (8192, 4096, 14336, 16),
+    (8192, 14336, 4096, 16),
+    (8192, 4096, 4096, 64),
+    (8192, 4096, 4096, 128),
+    (2048, 4096, 4096, 16),
+]
+
+
+def make_impls(K: int, N: int, r: int, dropout: float, adapter_dtype: torch.dtype, dtype=torch.bfloat16):
+    """Every implementation as a module over the same W, A, B (B random: zeros would hide wrong math)."""
+    dev = "cuda"
+    cfg = LoRAConfig(r=r, alpha=2 * r, dropout=dropout, lora_dtype=adapter_dtype, backend="triton")
+    ours = LoRALinear(K, N, cfg, dtype=dtype, device=dev)
+    nn.init.normal_(ours.lora_B.weight, std=0.02)
+    W, A, B, s = ours.weight, ours.lora_A.weight, ours.lora_B.weight, cfg.scale
+    drop = nn.Dropout(dropout)
+
+    def base(x):
+        return F.linear(x, W)
+
+    def torch_eager(x):
+        return F.linear(x, W) + (F.linear(F.linear(drop(x).to(A.dtype), A), B) * s).to(x.dtype)
+
+    def addmm(x):
+        y = F.linear(x, W)
+        x2 = drop(x).reshape(-1, K).to(A.dtype)
+        return torch.addmm(y.reshape(-1, N), (x2 @ A.t()).to(x.dtype), B.t().to(x.dtype), alpha=s).view_as(y)
+
+    impls = {"base": base, "torch_eager": torch_eager, "addmm": addmm, "parallel_lora": ours}
+    try:
+        import peft
+
+        lin = nn.Linear(K, N, bias=False, device=dev, dtype=dtype)
+        lin.weight = W
+        model = peft.get_peft_model(
+            nn.Sequential(lin), peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=["0"])
+        )
+        layer = model.base_model.model[0]
+        layer.lora_A["default"].weight.data = A.detach().clone()
+        layer.lora_B["default"].weight.data = B.detach().clone()
+        layer.to(device=dev)
+        layer.lora_A["default"].to(adapter_dtype)
+        layer.lora_B["default"].to(adapter_dtype)
+        impls["peft"] = layer
+    except ImportError:
+        pass
+    for m in impls.values():
+        if isinstance(m, nn.Module):
+            m.train(dropout > 0)
+    return impls, (A, B)
+
+
+def _params(impl, A, B):
+    if isinstance(impl, nn.Module):
+        return [p for p in impl.parameters() if p.requires_grad]
+    return [A, B]
+
+
+def validate(impls, x, A, B, s):
+    """Every implementation (dropout off) against an fp32 reference: relative Frobenius error."""
+    ref = F.linear(x.float(), impls["parallel_lora"].weight.float()) + s * (x.float() @ A.float().t()) @ B.float().t()
+    errs = {}
+    for name, f in impls.items():
+        if name == "base":
+            continue
+        with torch.no_grad():
+            y = f(x)
+        errs[name] = ((y.float() - ref).norm() / ref.norm()).item()
+        if not errs[name] < 2e-2:
+            raise RuntimeError(f"{name} disagrees with the fp32 reference: rel err {errs[name]:.3g}")
+    return errs
+
+
+def time_impl(name, f, x, dy, A, B, reps):
+    from triton.testing import do_bench
+
+    params = [] if name == "base" else _params(f, A, B)
+    inputs = [x, *params]
+
+    def fwd():
+        with torch.no_grad():
+            return f(x)
+
+    def fwdbwd():
+        y = f(x)
+        return torch.autograd.grad(y, inputs, dy)
+
+    fwd_ms = do_bench(fwd, warmup=25, rep=reps, return_mode="median")
+    fwdbwd_ms = do_bench(fwdbwd, warmup=25, rep=reps, return_mode="median")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = f(x)
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return fwd_ms, fwdbwd_ms, held / 2**20
+
+
+def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None):
+    rows = []
+    for M, K, N, r in shapes:
+        for adapter_dtype in adapter_dtypes:
+            for p in dropouts:
+                torch.manual_seed(0)
+                impls, (A, B) = make_impls(K, N, r, p, adapter_dtype)
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+                if p == 0:
+                    errs = validate(impls, x, A, B, 2.0)
+                else:
+                    errs = {}
+                base_fwd = base_fwdbwd = None
+                for name, f in impls.items():
+                    if impl_filter and name not in impl_filter and name != "base":
+                        continue
+                    fwd_ms, fwdbwd_ms, held = time_impl(name, f, x, dy, A, B, reps)
+                    if name == "base":
+                        base_fwd, base_fwdbwd = fwd_ms, fwdbwd_ms
+                    rows.append({
+                        "shape": [M, K, N, r], "impl": name, "dropout": p,
+                        "adapter_dtype": str(adapter_dtype).replace("torch.", ""),
+                        "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
+                        "fwd_ratio": fwd_ms / base_fwd, "fwdbwd_ratio": fwdbwd_ms / base_fwdbwd,
+                        "held_mib": held, "rel_err": errs.get(name),
+                    })
+                    print_row(rows[-1])
+                del impls, x, dy
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_row(row):
+    M, K, N, r = row["shape"]
+    print(
+        f"{M:>5} {K:>5} {N:>5} {r:>4} {row['adapter_dtype']:>8} {row['dropout']:>4} {row['impl']:>14} "
+        f"{row['fwd_ms']:8.3f} {row['fwdbwd_ms']:9.3f} {row['fwd_ratio']:6.3f} {row['fwdbwd_ratio']:7.3f} "
+        f"{row['held_mib']:8.1f}",
+        flush=True,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one shape, fewer variants")
+    parser.add_argument("--reps", type=int, default=200, help="ms of timed repetitions per measurement")
+    parser.add_argument("--impls", default="", help="comma-separated subset of implementations")
+    parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_lora.py needs a CUDA GPU")
+    gpu = torch.cuda.get_device_name()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    dropouts = [0.0] if args.quick else [0.0, 0.1]
+    adapter_dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'drop':>4} {'impl':>14} "
+          f"{'fwd_ms':>8} {'fwdbwd_ms':>9} {'fwd/x':>6} {'fb/x':>7} {'held_MiB':>8}")
+    impl_filter = set(args.impls.split(",")) if args.impls else None
+    rows = run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter)
+    import triton
+
+    meta = {
+        "date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(), "dtype": "bfloat16",
+        "command": "python " + " ".join(sys.argv),
+    }
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+        / f"{meta['date']}-{gpu.replace(' ', '_').lower()}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""End-to-end tests of ``launch/train.py``: real ``torchrun`` subprocesses on CPU/gloo, 'tiny' preset.
+
+The reference is run A, one uninterrupted 2-rank (tp=2) run. Every other run is compared with it (or with
+a single-rank run) step by step through ``metrics.jsonl``. Losses are compared exactly where the two runs
+execute the same ops in the same order (a resumed run), and within fp32 rounding where a collective
+changes the order of a sum (sequence parallelism, data parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import parallel_lora as pl
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "launch"))
+
+from data import CORPUS_PATH, Corpus, generate_corpus  # noqa: E402
+from model import Transformer, check_tp, config_for  # noqa: E402
+from train import TARGET_MODULES  # noqa: E402
+
+STEPS = 8
+# Dropout on, so resume must also restore the layers' dropout-seed counters to reproduce the masks.
+COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--save-every", "3", "--batch-size", "4", "--seq-len", "64",
+          "--dropout", "0.1", "--seed", "0"]
+
+
+def torchrun(out_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(REPO / "launch" / "train.py"), "--output-dir", str(out_dir), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out_dir: Path) -> list[float]:
+    return [row["loss"] for row in metrics(out_dir)]
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run_a")
+    check_ok(torchrun(out, *COMMON))
+    return out
+
+
+def test_run_writes_one_metrics_line_per_step(run_a):
+    rows = metrics(run_a)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert {"step", "loss", "tokens_per_s", "lr"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["lr"] > 0
+    assert (run_a / "loss.png").stat().st_size > 0
+
+
+def test_loss_falls(run_a):
+    values = losses(run_a)
+    assert values[-1] < values[0] - 0.1, values
+
+
+def test_checkpoints_are_complete_and_on_schedule(run_a):
+    names = sorted(p.name for p in (run_a / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000006", "step_00000008"]  # every 3 steps and the last
+    assert pl.latest_checkpoint(run_a / "checkpoints").name == "step_00000008"
+
+
+def _fresh_model() -> tuple[Transformer, Corpus]:
+    corpus = Corpus()
+    torch.manual_seed(0)  # the launcher's --seed: the same frozen base
+    return Transformer(config_for("tiny", vocab_size=corpus.tokenizer.vocab_size)), corpus
+
+
+def _loss(model: Transformer, corpus: Corpus) -> float:
+    x, y = corpus.batch(seed=123, step=0, micro_step=0, batch_size=8, seq_len=64)
+    with torch.no_grad():
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+
+
+def test_adapter_loads_into_a_fresh_model_and_lowers_its_loss(run_a):
+    adapter = run_a / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+    model, corpus = _fresh_model()
+    base_loss = _loss(model, corpus)
+    pl.apply_lora(model, pl.LoRAConfig(r=8, alpha=16, target_modules=TARGET_MODULES), verbose=False)
+    pl.load_adapter(model, adapter)
+    model.eval()
+    assert model.layers[0].attn.q_proj.lora_B.weight.abs().sum() > 0  # trained B, not the zero init
+    assert _loss(model, corpus) < base_loss - 0.1
+
+
+def test_adapter_loads_into_peft_with_the_same_outputs(run_a):
+    peft = pytest.importorskip("peft")
+    ours, corpus = _fresh_model()
+    pl.apply_lora(ours, pl.LoRAConfig(r=8, alpha=16, target_modules=TARGET_MODULES), verbose=False)
+    pl.load_adapter(ours, run_a / "adapter")
+    base, _ = _fresh_model()
+    theirs = peft.PeftModel.from_pretrained(base, run_a / "adapter")
+    x, _ = corpus.batch(seed=1, step=0, micro_step=0, batch_size=2, seq_len=32)
+    with torch.no_grad():
+        # Same eager math on the same tensors; only the summation order of the LoRA branch may differ.
+        torch.testing.assert_close(theirs.eval()(x), ours.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_path):
+    out = tmp_path / "run_b"
+    crashed = torchrun(out, *COMMON, "--fail-at-step", "5", "--fail-rank", "1")
+    assert crashed.returncode != 0
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]  # died inside step 5, before logging it
+    root = out / "checkpoints"
+    # A save torn by a crash: only its .tmp directory exists. It must never be picked as the latest.
+    torn = root / "step_00000007.tmp"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    latest = pl.latest_checkpoint(root)
+    assert latest.name == "step_00000003"
+    assert {"meta.json", ".complete", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in latest.iterdir()}
+
+    resumed = torchrun(out, *COMMON, "--resume")
+    check_ok(resumed)
+    assert "resuming from" in resumed.stdout and "at step 3" in resumed.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))  # no duplicated steps 1-4
+    # Same batches (a function of seed and step), same optimizer state, same dropout masks: bit-exact.
+    assert losses(out) == losses(run_a)
+
+
+def test_sequence_parallel_gives_the_same_losses(run_a, tmp_path):
+    out = tmp_path / "run_sp"
+    check_ok(torchrun(out, *COMMON, "--sequence-parallel"))
+    # Reduce-scatter instead of all-reduce: the same two-term sums, so agreement to fp32 rounding.
+    torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_matches_one_rank_on_the_same_global_batch(tmp_path):
+    # Without dropout: each dp rank draws masks for its own local rows, so masks differ from one rank's.
+    args = ["--preset", "tiny", "--steps", "4", "--seq-len", "64", "--dropout", "0", "--save-every", "100"]
+    single, dp2 = tmp_path / "single", tmp_path / "dp2"
+    check_ok(torchrun(single, *args, "--batch-size", "4", nproc=1))
+    check_ok(torchrun(dp2, *args, "--batch-size", "2", "--dp", "2", "--tp", "1"))
+    # The dp all-reduce averages two half-batch means: equal to the full mean up to fp32 rounding.
+    torch.testing.assert_close(losses(dp2), losses(single), rtol=1e-5, atol=1e-6)
+
+
+def test_heads_not_divisible_by_tp_raise_a_clear_error():
+    with pytest.raises(ValueError, match=r"n_heads=4 must be divisible by the tensor-parallel size tp=3"):
+        check_tp(config_for("tiny"), 3)
+
+
+def test_batches_depend_only_on_seed_step_and_micro_step():
+    corpus = Corpus()
+    kw = {"seed": 0, "step": 5, "micro_step": 1, "seq_len": 32}
+    x, y = corpus.batch(**kw, batch_size=4)
+    again, _ = corpus.batch(**kw, batch_size=4)
+    assert torch.equal(x, again)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    halves = [corpus.batch(**kw, batch_size=2, dp_rank=d, dp=2)[0] for d in range(2)]
+    assert torch.equal(torch.cat(halves), x)  # dp ranks split one global batch
+    assert not torch.equal(corpus.batch(**{**kw, "step": 6}, batch_size=4)[0], x)
+
+
+def test_shipped_corpus_is_the_generator_output():
+    assert CORPUS_PATH.read_text(encoding="utf-8") == generate_corpus()
