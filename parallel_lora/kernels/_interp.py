@@ -1,0 +1,51 @@
+"""Small launch-time helpers shared by the kernel files: interpreter detection, dot options, seed split.
+
+Everything here is read at *launch* time (never at import), so the same module serves the GPU and the
+Triton CPU interpreter (``TRITON_INTERPRET=1``, which Triton itself reads when a ``@triton.jit`` is defined).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+MAX_RANK = 256
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_options(dtype: torch.dtype) -> dict[str, object]:
+    """Constexprs that choose how ``tl.dot`` treats this dtype's tiles.
+
+    ``UPCAST``: the interpreter's ``tl.dot`` returns garbage on bf16 operands, so when interpreting the
+    tiles are cast to fp32 first; the GPU path never pays for it. ``DOT_PRECISION``: fp32 operands use
+    ``"ieee"`` (not tf32) so the fp32 path matches an fp64 reference tightly; it is ignored for 16-bit.
+    """
+    return {
+        "UPCAST": interpreting() and dtype != torch.float32,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+def _as_int32(v: int) -> int:
+    return v - 2**32 if v >= 2**31 else v
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """The 64-bit Philox key as two int32 kernel arguments ``(lo, hi)``.
+
+    Triton types a Python int argument by its value (i32 below 2**31, i64 above), so passing the seed
+    whole would compile two kernel variants; two int32 halves (reassembled in-kernel) keep one.
+    """
+    seed = int(seed)
+    return _as_int32(seed & _MASK32), _as_int32((seed >> 32) & _MASK32)
+
+
+def pad_rank(r: int) -> int:
+    """The rank tile: the next power of two >= max(r, 16) (``tl.dot`` needs dims >= 16); tails are masked."""
+    return max(16, 1 << max(0, r - 1).bit_length())

@@ -1,0 +1,202 @@
+"""Launch configurations for the LoRA kernels: one config generator per kernel, a shared-memory prune, and
+the single launch path that picks the interpreter config or the autotuner.
+
+On GPU each kernel is wrapped (lazily, at its first launch) in ``triton.autotune`` keyed on its sizes and
+the rank tile; the tensor dtypes join the key automatically. Before benchmarking, ``early_config_prune``
+drops configs whose estimated shared memory, ``stages * (tiles streamed per step) * elem_size`` plus the
+rank-r tiles, exceeds the device's opt-in limit, so the same lists also fit a ~100 KB GPU, and drops tiles
+much larger than the problem; a problem under ``SMALL_WORK`` multiply-adds keeps one config (no tuning).
+The estimates were checked to bound ``metadata.shared`` of every config compiled for sm_90 (Triton 3.9).
+The Triton interpreter cannot autotune over several configs, so there each kernel runs with exactly one
+small config.
+
+Tile lists follow Triton's matmul tutorial for the GEMM; they are a correctness-first starting set (not yet
+tuned on the H200; a later issue records shapes and gains beside any tuned constant).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._interp import interpreting
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.cache
+def max_shared_mem(device_index: int) -> int:
+    """Opt-in shared memory per block, in bytes, of CUDA device ``device_index``."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if smem:
+        return int(smem)
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-kernel config generators and shared-memory estimates.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gemm_configs() -> list[triton.Config]:
+    """Base GEMM + fused rank-r term: (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), from the matmul tutorial."""
+    rows = [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (64, 64, 32, 5, 2),
+        (64, 64, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in rows
+    ]
+
+
+def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The K loop streams an x tile and a W tile per stage; the rank-r tiles (S|G and B|A) are one more
+    # buffer, or a pipelined loop of their own (``stages`` buffers) when the rank takes several chunks.
+    # Checked against sm_90 compiles (Triton 3.9): an upper bound on ``metadata.shared`` for every config.
+    bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
+    rank_buffers = stages if consts["R"] > br else 1
+    return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
+
+
+def gemm_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_M"] <= max(64, _next_pow2(nargs["M"])) and cfg["BLOCK_N"] <= max(
+        64, _next_pow2(nargs["N_OUT"])
+    )
+
+
+def shrink_configs() -> list[triton.Config]:
+    """Rank-r shrink ``[M, K] @ [K, r]``: (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD."""
+    rows = [
+        (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+        (32, 64, 4, 4),
+        (32, 128, 4, 4),
+        (64, 64, 3, 4),
+        (64, 64, 4, 4),
+        (64, 128, 3, 4),
+        (128, 32, 4, 8),
+        (128, 64, 3, 8),
+        (128, 128, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_stages=s, num_warps=w) for bm, bk, s, w in rows]
+
+
+def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    return stages * (cfg["BLOCK_M"] * cfg["BLOCK_K"] + cfg["BLOCK_K"] * consts["R_PAD"]) * elem
+
+
+def shrink_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_M"] <= max(32, _next_pow2(nargs["M"]))
+
+
+def reduce_configs() -> list[triton.Config]:
+    """Rank-r reduction over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps)."""
+    rows = [
+        (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+        (64, 32, 4, 4),
+        (64, 64, 3, 4),
+        (64, 128, 3, 4),
+        (128, 32, 4, 4),
+        (128, 64, 3, 8),
+        (128, 128, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_F": bf, "BLOCK_M": bm}, num_stages=s, num_warps=w) for bf, bm, s, w in rows]
+
+
+def reduce_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    return stages * cfg["BLOCK_M"] * (cfg["BLOCK_F"] + consts["R_PAD"]) * elem
+
+
+def reduce_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_F"] <= max(64, _next_pow2(nargs["F"]))
+
+
+# The largest BLOCK_M in ``reduce_configs`` (GPU) / the interpreter's BLOCK_M: a split of the M reduction
+# must be a whole number of M tiles for every config, so its length is a multiple of this.
+REDUCE_M_ALIGN_GPU = 128
+REDUCE_M_ALIGN_INTERP = 32
+
+# Below this many multiply-adds (512^3) a launch takes one small config instead of autotuning.
+SMALL_WORK = 2**27
+
+INTERP_CONFIGS = {
+    "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
+    "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
+    "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The launch path.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to launch one kernel: its configs, autotune key, smem estimate and shape filter."""
+
+    name: str
+    configs: Callable[[], list[triton.Config]]
+    key: Sequence[str]
+    smem: Callable[[dict, int, int, dict], int]  # (config kwargs, stages, elem size, sizes + constexprs)
+    fits: Callable[[dict, dict], bool]
+    work: Callable[[dict], int]  # multiply-adds of the launch, from its size arguments
+    dtype_arg: str  # a tensor argument whose element size and device stand for all operands
+
+
+def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None, **consts):
+    """``early_config_prune``: keep configs within the device's shared memory and the problem's size.
+
+    Never returns an empty list: if nothing fits, the config with the smallest estimate is kept.
+    """
+    ref = nargs[spec.dtype_arg]
+    if smem_limit is None:
+        smem_limit = max_shared_mem(ref.device.index if ref.device.index is not None else 0)
+    elem = ref.element_size()
+
+    sizes = {**nargs, **consts}
+
+    def need(c):
+        return spec.smem(c.kwargs, c.num_stages, elem, sizes)
+
+    fitting = [c for c in configs if need(c) <= smem_limit]
+    sized = [c for c in fitting if spec.fits(c.kwargs, nargs)]
+    kept = sized or fitting or [min(configs, key=need)]
+    if spec.work(nargs) < SMALL_WORK:
+        # Tuning a problem this small costs more (one compile per config) than it could ever save.
+        return [min(kept, key=need)]
+    return kept
+
+
+@functools.cache
+def _tuned(spec: KernelSpec, kernel):
+    return triton.autotune(
+        configs=spec.configs(),
+        key=list(spec.key),
+        prune_configs_by={"early_config_prune": functools.partial(prune, spec)},
+    )(kernel)
+
+
+def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:
+    """Launch ``kernel`` with runtime ``args`` (positional, so the pruner sees them by name) and the call's
+    constexprs: the one interpreter config when interpreting, the autotuner on GPU."""
+    if interpreting():
+        kernel[grid](*args, **consts, **INTERP_CONFIGS[spec.name])
+    else:
+        _tuned(spec, kernel)[grid](*args, **consts)

@@ -1,0 +1,187 @@
+"""Base GEMM with the rank-r LoRA term fused into its fp32 accumulator.
+
+    out[M, N_out] = x[M, K_red] @ w[K_red, N_out] (+ bias) + c * drop(s[M, r] @ f[r, N_out])
+
+Used for both passes (the W-frozen step needs no dW):
+
+    forward  y  = x  W^T + b + S B^T            x [M, K],  w = W^T [K, N], s = S [M, r], f = B^T [r, N]
+    backward dx = dy W + drop_pre(G A)          dy [M, N], w = W   [N, K], s = G [M, r], f = A   [r, K]
+
+Each program owns one ``BLOCK_M x BLOCK_N`` output tile (grouped ordering, ``GROUP_M`` row-blocks at a time,
+for L2 reuse of the ``w`` panel, as in Triton's matmul tutorial). It first computes the rank-r term into the
+fp32 accumulator, ``acc = s_tile @ f_tile`` (r in ``BLOCK_R`` chunks), applies the "pre" keep-mask of the
+output columns ``n_offset + n`` and ``1/(1-p)`` to it (dx only: the mask belongs to the LoRA term alone),
+then runs the ordinary K loop ``acc += x_tile @ w_tile`` into the *same* accumulator, adds the bias, and
+rounds once to the output dtype. No separate pass over ``out`` is made for the LoRA term.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import dot_options, pad_rank, split_seed
+from .configs import KernelSpec, gemm_configs, gemm_fits, gemm_smem, launch
+from .dropout_mask import keep_tile
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
+def _lora_gemm_kernel(
+    # pointers
+    x_ptr,  # [M, K_RED]   activation (x, or dy)
+    w_ptr,  # [K_RED, N_OUT] frozen base operand (W^T, or W)
+    bias_ptr,  # [N_OUT] or a dummy when not HAS_BIAS
+    s_ptr,  # [M, R]       rank-r activation (S, or G)
+    f_ptr,  # [R, N_OUT]   rank-r factor (B^T, or A)
+    out_ptr,  # [M, N_OUT]
+    # sizes
+    M,
+    N_OUT,
+    K_RED,
+    R,
+    # strides
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    stride_sm,
+    stride_sr,
+    stride_fr,
+    stride_fn,
+    stride_om,
+    stride_on,
+    stride_bias,
+    # runtime scalars (changing them never recompiles)
+    keep_scale,  # 1/(1-p), used with LORA_DROP only
+    p,
+    seed_lo,
+    seed_hi,
+    n_offset,  # global column of out's first column (the shard's k_offset), for the "pre" mask
+    # compile-time
+    HAS_BIAS: tl.constexpr,
+    LORA_DROP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row-blocks sweep the N tiles together so the w panel stays in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_in = offs_m < M
+    n_in = offs_n < N_OUT
+    rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # one fp32 accumulator for base + LoRA
+
+    # Rank-r term first, so its mask (dx under "pre" dropout) touches the LoRA term only.
+    offs_r = tl.arange(0, BLOCK_R)
+    s_ptrs = s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr
+    f_ptrs = f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn
+    for r0 in range(0, R, BLOCK_R):
+        r_in = offs_r < R - r0
+        s = tl.load(s_ptrs, mask=m_in[:, None] & r_in[None, :], other=0.0)
+        f = tl.load(f_ptrs, mask=r_in[:, None] & n_in[None, :], other=0.0)
+        if UPCAST:
+            s = s.to(tl.float32)
+            f = f.to(tl.float32)
+        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
+        s_ptrs += BLOCK_R * stride_sr
+        f_ptrs += BLOCK_R * stride_fr
+    if LORA_DROP:
+        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
+        acc = tl.where(keep, acc * keep_scale, 0.0)
+
+    # Base GEMM into the same accumulator.
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows64 * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    for k0 in range(0, K_RED, BLOCK_K):
+        k_in = offs_k < K_RED - k0
+        a = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=n_in, other=0.0)
+        acc += bias[None, :].to(tl.float32)
+
+    out_ptrs = out_ptr + rows64 * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+
+
+_SPEC = KernelSpec(
+    name="gemm",
+    configs=gemm_configs,
+    key=("M", "N_OUT", "K_RED", "R"),
+    smem=gemm_smem,
+    work=lambda n: n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"]),
+    fits=gemm_fits,
+    dtype_arg="x_ptr",
+)
+
+# The rank is consumed in chunks of at most this many columns: r = 256 would otherwise double the
+# shared-memory footprint of a 128x128 tile.
+_MAX_BLOCK_R = 64
+
+
+def lora_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    n_offset: int = 0,
+    lora_drop: bool = False,
+) -> torch.Tensor:
+    """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``; any
+    strides (``w`` may be ``W.t()``). ``drop`` (when ``lora_drop``) is the "pre" keep-mask of output columns
+    shifted by ``n_offset``, times ``1/(1-p)``. Inputs are assumed checked by the caller."""
+    M, K_red = x.shape
+    N_out = w.shape[1]
+    R = s.shape[1]
+    out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
+    if M == 0 or N_out == 0:
+        return out
+    seed_lo, seed_hi = split_seed(seed)
+    keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
+    args = (
+        x, w, bias if bias is not None else out, s, f, out, M, N_out, K_red, R,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        f.stride(0), f.stride(1), out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+        float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset),
+    )  # fmt: skip
+    consts = {
+        "HAS_BIAS": bias is not None,
+        "LORA_DROP": lora_drop,
+        "BLOCK_R": min(pad_rank(R), _MAX_BLOCK_R),
+        **dot_options(x.dtype),
+    }
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N_out, meta["BLOCK_N"]),)
+
+    launch(_SPEC, _lora_gemm_kernel, grid, args, consts)
+    return out

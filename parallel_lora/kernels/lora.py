@@ -1,0 +1,177 @@
+"""The fused Triton LoRA op on one device (one TP shard): checked entry points for forward and backward.
+
+Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, see ``parallel_lora.dtypes``):
+
+    forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
+              S = s * drop_post(drop_pre(x) A^T)          shrink kernel        (saved for backward)
+              y = x W^T + b + S B^T                        GEMM kernel, S B^T in the same fp32 accumulator
+    backward  dy [M, N] (+ x, W, A, B, S)  ->  dx [M, K], dA [r, K], dB [N, r]   (no dW: W is frozen)
+              G  = s * drop_post(dy B)                     shrink kernel
+              dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
+              dA = G^T drop_pre(x)                         reduction over M (deterministic)
+              dB = dy^T S                                  reduction over M (deterministic)
+
+Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
+regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
+arguments. The oracle is ``parallel_lora.eager``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..dropout import Dropout
+from ._interp import MAX_RANK, interpreting
+from .gemm import lora_gemm
+from .rank_reduce import lora_rank_reduce
+from .shrink import lora_shrink
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tuple]) -> None:
+    """Every tensor: a Tensor of the expected rank and sizes, one dtype, one device."""
+    dtype = device = None
+    for name, t in named.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = expected[name]
+        labels = "[" + ", ".join(label for label, _ in want) + "]"
+        if t.dim() != len(want) or any(size != n for size, (_, n) in zip(t.shape, want, strict=True)):
+            sizes = ", ".join(f"{label}={n}" for label, n in want)
+            raise ValueError(f"{name} must have shape {labels} ({sizes}), got {_shape(t)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if dtype is None:
+            dtype, device, first = t.dtype, t.device, name
+        elif t.dtype != dtype:
+            raise ValueError(
+                f"all operands must share one dtype (the caller casts): "
+                f"{first} is {dtype}, {name} is {t.dtype}"
+            )
+        elif t.device != device:
+            raise ValueError(f"all operands must be on one device: {first} on {device}, {name} on {t.device}")
+    if device is not None and device.type != "cuda" and not interpreting():
+        raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+
+
+def _check_common(x, weight, lora_A, lora_B, scale, dropout) -> tuple[int, int, int, int]:
+    for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 2-D tensor, got {got}")
+    M, K = x.shape
+    N = weight.shape[0]
+    r = lora_A.shape[0]
+    if not 1 <= r <= MAX_RANK:
+        raise ValueError(f"the LoRA rank r = lora_A.shape[0] must be in [1, {MAX_RANK}], got {r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if dropout is not None:
+        if not isinstance(dropout, Dropout):
+            raise ValueError(f"dropout must be a parallel_lora.dropout.Dropout or None, got {dropout!r}")
+        if not 0.0 <= dropout.p < 1.0:
+            raise ValueError(f"dropout.p must be in [0, 1), got {dropout.p}")
+        if dropout.position not in ("pre", "post"):
+            raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
+        if dropout.k_offset < 0:
+            raise ValueError(f"dropout.k_offset must be >= 0, got {dropout.k_offset}")
+    return M, K, N, r
+
+
+def _active(dropout: Dropout | None) -> Dropout | None:
+    # p == 0 keeps every element (u >= 0 always) with scale 1: skip the masks altogether.
+    return dropout if dropout is not None and dropout.p > 0.0 else None
+
+
+def _drop_kwargs(dropout: Dropout | None) -> dict:
+    return {} if dropout is None else {"p": dropout.p, "seed": dropout.seed}
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` (one dtype, any strides)
+    -> ``(y [M, N], S [M, r])`` in ``x.dtype``. ``M == 0`` returns empty outputs without a launch."""
+    M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
+    _check_tensors(
+        {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
+        {
+            "x": (("M", M), ("K", K)),
+            "weight": (("N", N), ("K", K)),
+            "bias": (("N", N),),
+            "lora_A": (("r", r), ("K", K)),
+            "lora_B": (("N", N), ("r", r)),
+        },
+    )
+    drop = _active(dropout)
+    pre = drop is not None and drop.position == "pre"
+    post = drop is not None and drop.position == "post"
+    k_offset = drop.k_offset if pre else 0
+    s_lora = lora_shrink(
+        x, lora_A.t(), float(scale), drop_pre=pre, drop_post=post, k_offset=k_offset, **_drop_kwargs(drop)
+    )
+    y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t())
+    return y, s_lora
+
+
+def backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+    needs_dx: bool = True,
+    needs_dA: bool = True,
+    needs_dB: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
+    (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
+    must be the forward's (same seed): the masks are regenerated, not stored."""
+    M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
+    _check_tensors(
+        {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
+        {
+            "dy": (("M", M), ("N", N)),
+            "x": (("M", M), ("K", K)),
+            "weight": (("N", N), ("K", K)),
+            "lora_A": (("r", r), ("K", K)),
+            "lora_B": (("N", N), ("r", r)),
+            "s_lora": (("M", M), ("r", r)),
+        },
+    )
+    drop = _active(dropout)
+    pre = drop is not None and drop.position == "pre"
+    post = drop is not None and drop.position == "post"
+    k_offset = drop.k_offset if pre else 0
+    dx = dA = dB = None
+    if needs_dB:
+        dB = lora_rank_reduce(dy, s_lora, transpose_out=False)
+    if needs_dx or needs_dA:
+        g = lora_shrink(dy, lora_B, float(scale), drop_post=post, **_drop_kwargs(drop))
+        if needs_dA:
+            dA = lora_rank_reduce(
+                x, g, transpose_out=True, drop_feat=pre, f_offset=k_offset, **_drop_kwargs(drop)
+            )
+        if needs_dx:
+            dx = lora_gemm(
+                dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop)
+            )
+    return dx, dA, dB

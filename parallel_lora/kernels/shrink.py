@@ -1,0 +1,134 @@
+"""Rank-r shrink: ``out[M, r] = c * drop_post(drop_pre(x) @ U)`` for ``x [M, K]``, ``U [K, r]``.
+
+Used twice per step:
+
+    forward   S = s * drop_post(drop_pre(x) A^T)     x [M, K],  U = A^T [K, r]
+    backward  G = s * drop_post(dy B)                 dy [M, N], U = B   [N, r]
+
+One program owns ``BLOCK_M`` rows and the whole (padded) rank: ``acc [BLOCK_M, R_PAD]`` (fp32) runs over K in
+``BLOCK_K`` steps, ``acc += drop_pre(x_tile) @ U_tile``. Dropout scales every kept element by the same
+``1/(1-p)``, so the kernel only *zeroes* dropped elements (exact in any dtype) and folds ``1/(1-p)`` into the
+scalar ``c = s/(1-p)`` applied once to the fp32 accumulator; the result is rounded to the input dtype once.
+The rank tail ``r < R_PAD`` is masked on load and store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import dot_options, pad_rank, split_seed
+from .configs import KernelSpec, launch, shrink_configs, shrink_fits, shrink_smem
+from .dropout_mask import keep_tile
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+def _lora_shrink_kernel(
+    # pointers
+    x_ptr,  # [M, K]
+    u_ptr,  # [K, R]
+    out_ptr,  # [M, R]
+    # sizes
+    M,
+    K,
+    R,
+    # strides
+    stride_xm,
+    stride_xk,
+    stride_uk,
+    stride_ur,
+    stride_om,
+    stride_or,
+    # runtime scalars (changing them never recompiles)
+    out_scale,  # s, times 1/(1-p) when this kernel applies the dropout
+    p,
+    seed_lo,
+    seed_hi,
+    k_offset,  # global column of x's first column (the shard's offset), for the "pre" mask
+    # compile-time
+    DROP_PRE: tl.constexpr,
+    DROP_POST: tl.constexpr,
+    R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, R_PAD)
+    m_in = offs_m < M
+    r_in = offs_r < R
+    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
+
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
+    for k0 in range(0, K, BLOCK_K):
+        k_in = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
+        if DROP_PRE:
+            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], k_offset + k0 + offs_k[None, :])
+            x = tl.where(keep, x, tl.zeros_like(x))
+        if UPCAST:
+            x = x.to(tl.float32)
+            u = u.to(tl.float32)
+        acc = tl.dot(x, u, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        u_ptrs += BLOCK_K * stride_uk
+
+    if DROP_POST:
+        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], offs_r[None, :])
+        acc = tl.where(keep, acc, 0.0)
+    acc = acc * out_scale
+
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & r_in[None, :])
+
+
+_SPEC = KernelSpec(
+    name="shrink",
+    configs=shrink_configs,
+    key=("M", "K", "R"),
+    smem=shrink_smem,
+    work=lambda n: n["M"] * n["K"] * n["R"],
+    fits=shrink_fits,
+    dtype_arg="x_ptr",
+)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    u: torch.Tensor,
+    scale: float,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    k_offset: int = 0,
+    drop_pre: bool = False,
+    drop_post: bool = False,
+) -> torch.Tensor:
+    """``x [M, K]``, ``u [K, r]`` (any strides, e.g. ``A.t()``) -> ``c * drop_post(drop_pre(x) @ u) [M, r]``
+    in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``. Inputs are
+    assumed checked by the caller (``parallel_lora.kernels.lora``)."""
+    M, K = x.shape
+    R = u.shape[1]
+    out = torch.empty(M, R, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
+    seed_lo, seed_hi = split_seed(seed)
+    args = (
+        x, u, out, M, K, R,
+        x.stride(0), x.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
+        float(c), float(p), seed_lo, seed_hi, int(k_offset),
+    )  # fmt: skip
+    consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]),)
+
+    launch(_SPEC, _lora_shrink_kernel, grid, args, consts)
+    return out

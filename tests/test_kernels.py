@@ -1,0 +1,384 @@
+"""Tests for ``parallel_lora.kernels`` (the fused Triton LoRA op).
+
+Reference: ``parallel_lora.eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
+up exactly), with the same ``Dropout``; the keep-mask reference is ``parallel_lora.dropout.keep_mask``.
+On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest``), so the
+shapes are small; the ``gpu``-marked tests at the end run the real shapes on CUDA.
+
+Errors are measured elementwise against the magnitude of the terms each element sums,
+``|out - ref| <= tol * mag`` with ``mag`` the same oracle run on ``|inputs|`` (dropout masks and scales are
+non-negative, so ``mag`` is exactly ``sum |term|``): the standard floating-point bound for a sum of products,
+which stays meaningful when the terms cancel (a small ``ref`` from large terms).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from parallel_lora import eager
+from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora.dropout import philox_uniform as torch_philox_uniform
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not (INTERPRETING or HAS_CUDA):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by conftest without CUDA)", allow_module_level=True)
+
+from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
+from parallel_lora.kernels import configs as kconfigs  # noqa: E402
+from parallel_lora.kernels.dropout_mask import philox_uniform as triton_philox_uniform  # noqa: E402
+from parallel_lora.kernels.rank_reduce import split_rows  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# dtype -> max of |out - ref| / mag (see the module docstring), with the reason.
+TOL = {
+    # fp32 accumulation (tl.dot runs "ieee", not tf32) and one fp32 rounding: ~1e-7 observed.
+    torch.float32: 1e-5,
+    # the output's fp16 rounding (2^-11) plus that of the saved S / G feeding the next product.
+    torch.float16: 2e-3,
+    # the same two bf16 roundings: 2^-9 each on GPU (round to nearest); the interpreter converts
+    # fp32 -> bf16 by truncation (up to 2^-7 each).
+    torch.bfloat16: 2e-2,
+}
+DTYPES = list(TOL)
+
+SCALE = 2.0  # alpha / r != 1, so a missing or doubled scale is visible
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> float:
+    """max |out - ref| / mag; an element whose terms are all zero must come out exactly zero."""
+    if ref.numel() == 0:
+        return 0.0
+    diff = (out.double() - ref).abs()
+    return (diff / mag.clamp_min(1e-300)).max().item()
+
+
+def assert_matches(name, out, ref, mag, dtype, tol=None) -> None:
+    assert out.dtype == dtype, f"{name}: dtype {out.dtype}, expected {dtype}"
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    err = rel_err(out, ref, mag)
+    tol = TOL[dtype] if tol is None else tol
+    assert err <= tol, f"{name}: error {err:.3e} of the terms' magnitude > {tol:.1e} ({dtype})"
+
+
+def make_inputs(M, K, N, r, dtype, bias=True, device=DEVICE):
+    """Unit-scale operands so the base and LoRA terms are the same size (neither hides the other)."""
+    x = torch.randn(M, K, device=device).to(dtype)
+    weight = (torch.randn(N, K, device=device) / max(K, 1) ** 0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    lora_A = (torch.randn(r, K, device=device) / max(K, 1) ** 0.5).to(dtype)
+    lora_B = (torch.randn(N, r, device=device) / r**0.5).to(dtype)
+    dy = torch.randn(M, N, device=device).to(dtype)
+    return x, weight, b, lora_A, lora_B, dy
+
+
+def _f64(t, absolute=False):
+    if t is None:
+        return None
+    return t.double().abs() if absolute else t.double()
+
+
+def reference(x, weight, b, lora_A, lora_B, dy, scale, dropout, absolute=False):
+    """The eager oracle in fp64: ``(y, S, dx, dA, dB)``; with ``absolute``, the same on ``|inputs|``."""
+    args = [_f64(t, absolute) for t in (x, weight, b, lora_A, lora_B, dy)]
+    scale = abs(scale) if absolute else scale
+    x, weight, b, lora_A, lora_B, dy = args
+    y, s_lora = eager.forward(x, weight, b, lora_A, lora_B, scale, dropout)
+    dx, dA, dB = eager.backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout)
+    return y, s_lora, dx, dA, dB
+
+
+def check_against_eager(x, weight, b, lora_A, lora_B, dy, scale, dropout, tol=None):
+    dtype = x.dtype
+    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, scale, dropout)
+    dx, dA, dB = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout)
+    ref = reference(x, weight, b, lora_A, lora_B, dy, scale, dropout)
+    mag = reference(x, weight, b, lora_A, lora_B, dy, scale, dropout, absolute=True)
+    outs = (y, s_lora, dx, dA, dB)
+    for name, out, want, m in zip(("y", "S", "dx", "dA", "dB"), outs, ref, mag, strict=True):
+        assert_matches(name, out, want, m, dtype, tol)
+
+
+DROPOUTS = {
+    "none": None,
+    # k_offset != 0: a row-parallel shard whose first input column is global column 5.
+    "pre": Dropout(p=0.3, seed=123_456_789_012, position="pre", k_offset=5),
+    "post": Dropout(p=0.25, seed=77, position="post"),
+}
+
+SHAPES = {
+    "multi_tile": (64, 96, 80, 16),  # several tiles along every dim in the interpreter (blocks of 32)
+    "m1_odd": (1, 17, 33, 5),
+    "tiny_kn_r1": (37, 3, 1, 1),
+    "odd_r33": (33, 65, 17, 33),  # r pads to 64: two rank chunks are not needed, but a masked tail is
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward and backward against the eager oracle.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop", list(DROPOUTS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_backward_match_eager(dtype, shape, drop):
+    M, K, N, r = SHAPES[shape]
+    inputs = make_inputs(M, K, N, r, dtype, bias=(shape != "tiny_kn_r1"))
+    check_against_eager(*inputs, SCALE, DROPOUTS[drop])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rank_256_matches_eager(dtype):
+    # r = 256 is the largest rank: four BLOCK_R = 64 chunks in the GEMM, a 256-wide rank tile elsewhere.
+    inputs = make_inputs(5, 40, 24, 256, dtype)
+    check_against_eager(*inputs, SCALE, Dropout(p=0.2, seed=2**40 + 3, position="pre", k_offset=7))
+
+
+def test_multi_split_reduction_matches_eager_and_is_deterministic():
+    # M = 130 splits the dA / dB reductions over M into several fp32 partials in the interpreter.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(130, 40, 40, 8, torch.float32)
+    if INTERPRETING:
+        assert split_rows(130, 40, x.device)[0] > 1, "the shape no longer exercises the multi-split path"
+    drop = Dropout(p=0.3, seed=9, position="pre", k_offset=3)
+    check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+    first = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
+    second = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_contiguous_inputs_match_eager(dtype):
+    M, K, N, r = 33, 40, 24, 6
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype)
+    # Strided / transposed views of the same values: every operand takes its strides into the kernel.
+    x_nc = torch.zeros(M, 2 * K, dtype=dtype, device=DEVICE)[:, ::2]
+    x_nc.copy_(x)
+    weight_nc = weight.t().contiguous().t()
+    b_nc = torch.zeros(2 * N, dtype=dtype, device=DEVICE)[::2]
+    b_nc.copy_(b)
+    lora_A_nc = lora_A.t().contiguous().t()
+    lora_B_nc = lora_B.t().contiguous().t()
+    dy_nc = dy.t().contiguous().t()
+    assert not any(t.is_contiguous() for t in (x_nc, weight_nc, b_nc, lora_A_nc, lora_B_nc, dy_nc))
+    drop = Dropout(p=0.3, seed=4, position="pre", k_offset=11)
+    check_against_eager(x_nc, weight_nc, b_nc, lora_A_nc, lora_B_nc, dy_nc, SCALE, drop)
+
+
+def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched for M = 0")
+
+    for mod in ("shrink", "gemm", "rank_reduce"):
+        monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", no_launch)
+    x, weight, b, lora_A, lora_B, dy = make_inputs(0, 16, 8, 4, torch.bfloat16)
+    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
+    assert y.shape == (0, 8) and s_lora.shape == (0, 4) and y.dtype == s_lora.dtype == torch.bfloat16
+    dx, dA, dB = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, DROPOUTS["pre"])
+    assert dx.shape == (0, 16)
+    # Gradients of a sum over zero rows are zeros, not uninitialized memory.
+    assert torch.equal(dA, torch.zeros(4, 16, dtype=torch.bfloat16, device=DEVICE))
+    assert torch.equal(dB, torch.zeros(8, 4, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_needs_flags_skip_gradients():
+    x, weight, b, lora_A, lora_B, dy = make_inputs(9, 16, 8, 4, torch.float32)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    dx, dA, dB = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False)
+    assert dx is None and dA is not None and dB is not None
+    dx, dA, dB = kernels.backward(
+        dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dA=False, needs_dB=False
+    )
+    assert dx is not None and dA is None and dB is None
+    ref_dx = reference(x, weight, b, lora_A, lora_B, dy, SCALE, None)[2]
+    mag_dx = reference(x, weight, b, lora_A, lora_B, dy, SCALE, None, absolute=True)[2]
+    assert_matches("dx", dx, ref_dx, mag_dx, torch.float32)
+
+
+def test_wrong_seed_fails_the_check():
+    # The comparison is not vacuous: the same call with another seed is far outside the tolerance.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(32, 48, 16, 8, torch.float32)
+    drop = Dropout(p=0.5, seed=1, position="pre")
+    y, _ = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, Dropout(p=0.5, seed=2, position="pre"))
+    y_ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)[0]
+    y_mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)[0]
+    assert rel_err(y, y_ref, y_mag) > 100 * TOL[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dropout masks.
+# ---------------------------------------------------------------------------------------------------------
+
+SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**62 - 1, 987_654_321_987]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_triton_philox_uniform_is_bit_exact_with_torch(seed):
+    rows, cols, offset = 45, 67, 1000
+    u = triton_philox_uniform(seed, rows, cols, offset, DEVICE)
+    m = torch.arange(rows, device=DEVICE).unsqueeze(1).expand(rows, cols)
+    k = torch.arange(offset, offset + cols, device=DEVICE).unsqueeze(0).expand(rows, cols)
+    assert torch.equal(u, torch_philox_uniform(seed, k.contiguous(), m.contiguous()))
+
+
+@pytest.mark.parametrize("position,k_offset", [("pre", 0), ("pre", 37), ("post", 0), ("post", 37)])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_triton_mask_equals_keep_mask(position, k_offset, p):
+    drop = Dropout(p=p, seed=2**33 + 5, position=position, k_offset=k_offset)
+    mask = kernels.dropout_keep_mask(drop, 50, 70, DEVICE)
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, keep_mask(drop, 50, 70, DEVICE))
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.05
+
+
+def test_shard_mask_is_a_slice_of_the_full_mask():
+    full = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
+    shard = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
+    assert torch.equal(shard, full[:, 48:])
+
+
+def test_different_seeds_give_different_masks():
+    masks = [kernels.dropout_keep_mask(Dropout(p=0.5, seed=s), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
+    for i in range(len(masks)):
+        for j in range(i):
+            assert (masks[i] != masks[j]).float().mean() > 0.3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _bad_forward_cases():
+    x, w, b, A, B, _ = make_inputs(4, 8, 6, 2, torch.float32)
+    big_r = torch.randn(257, 8, device=DEVICE)
+    return {
+        "x_1d": ((x[0], w, b, A, B, 1.0, None), "x must be a 2-D"),
+        "weight_k": ((x, w[:, :5], b, A, B, 1.0, None), "weight must have shape"),
+        "lora_A_k": ((x, w, b, A[:, :5], B, 1.0, None), "lora_A must have shape"),
+        "lora_B_r": ((x, w, b, A, B[:, :1], 1.0, None), "lora_B must have shape"),
+        "bias_n": ((x, w, b[:3], A, B, 1.0, None), "bias must have shape"),
+        "rank_257": ((x, w, b, big_r, torch.randn(6, 257, device=DEVICE), 1.0, None), "rank r"),
+        "mixed_dtype": ((x.bfloat16(), w, b, A, B, 1.0, None), "one dtype"),
+        "int_dtype": ((x.int(), w.int(), None, A.int(), B.int(), 1.0, None), "float32, float16 or bfloat16"),
+        "scale_nan": ((x, w, b, A, B, float("nan"), None), "scale"),
+        "p_one": ((x, w, b, A, B, 1.0, Dropout(p=1.0, seed=0)), "dropout.p"),
+        "position": ((x, w, b, A, B, 1.0, Dropout(p=0.1, seed=0, position="mid")), "dropout.position"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_forward_cases()))
+def test_bad_forward_input_raises_value_error(case):
+    args, message = _bad_forward_cases()[case]
+    with pytest.raises(ValueError, match=message):
+        kernels.forward(*args)
+
+
+def test_bad_backward_input_raises_value_error():
+    x, w, _, A, B, dy = make_inputs(4, 8, 6, 2, torch.float32)
+    s_lora = torch.randn(4, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="dy must have shape"):
+        kernels.backward(dy[:, :5], x, w, A, B, s_lora, 1.0, None)
+    with pytest.raises(ValueError, match="s_lora must have shape"):
+        kernels.backward(dy, x, w, A, B, s_lora[:3], 1.0, None)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.backward(dy.half(), x, w, A, B, s_lora, 1.0, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU configs: every kernel keeps a config that fits a ~100 KB shared-memory GPU at every rank and dtype.
+# ---------------------------------------------------------------------------------------------------------
+
+_SPECS = {
+    "gemm": ("parallel_lora.kernels.gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
+    "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F": 4096}),
+}
+
+
+def _spec(kernel):
+    import importlib
+
+    module, sizes = _SPECS[kernel]
+    return importlib.import_module(module)._SPEC, sizes
+
+
+@pytest.mark.parametrize("smem_limit", [101_376, 232_448], ids=["100KB", "H200"])
+@pytest.mark.parametrize("r_pad", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", list(_SPECS))
+def test_pruned_configs_fit_shared_memory(kernel, dtype, r_pad, smem_limit):
+    spec, sizes = _spec(kernel)
+    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
+    nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
+    kept = kconfigs.prune(spec, spec.configs(), nargs, smem_limit=smem_limit, **consts)
+    assert kept
+    elem = torch.empty(0, dtype=dtype).element_size()
+    for c in kept:
+        assert spec.smem(c.kwargs, c.num_stages, elem, {**nargs, **consts}) <= smem_limit, c
+
+
+@pytest.mark.parametrize("kernel", list(_SPECS))
+def test_small_problems_take_one_config_and_large_ones_autotune(kernel):
+    spec, sizes = _spec(kernel)
+    consts = {"R_PAD": 16, "BLOCK_R": 16}
+    large = {spec.dtype_arg: torch.empty(1, dtype=torch.bfloat16), "R": 16, **sizes}
+    small = {**large, **{name: 64 for name in sizes}}
+    assert len(kconfigs.prune(spec, spec.configs(), small, smem_limit=232_448, **consts)) == 1
+    assert len(kconfigs.prune(spec, spec.configs(), large, smem_limit=232_448, **consts)) > 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA).
+# ---------------------------------------------------------------------------------------------------------
+
+# GPU rounds fp32 -> bf16 to nearest (two roundings of 2^-9); fp32 sums up to 4096 terms.
+GPU_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("position", ["pre", "post", None])
+def test_gpu_bf16_llama_shape_matches_fp64(position):
+    torch.manual_seed(0)
+    inputs = make_inputs(8192, 4096, 4096, 16, torch.bfloat16, device="cuda")
+    drop = None if position is None else Dropout(p=0.1, seed=2**45 + 17, position=position, k_offset=4096)
+    check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 4096, 4096, 16), (1000, 1001, 999, 5), (333, 257, 129, 256), (77, 33, 65, 1)]
+)
+def test_gpu_odd_shapes_match_fp64(dtype, shape):
+    torch.manual_seed(0)
+    inputs = make_inputs(*shape, dtype, device="cuda")
+    check_against_eager(
+        *inputs, SCALE, Dropout(p=0.1, seed=5, position="pre", k_offset=3), tol=GPU_TOL[dtype]
+    )
+    check_against_eager(*inputs, SCALE, Dropout(p=0.1, seed=5, position="post"), tol=GPU_TOL[dtype])
+
+
+@gpu
+@needs_cuda
+def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
+    torch.manual_seed(0)
+    x, weight, b, lora_A, lora_B, dy = make_inputs(4096, 1024, 2048, 16, torch.bfloat16, device="cuda")
+    drop = Dropout(p=0.1, seed=11, position="pre", k_offset=1024)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+    first = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
+    second = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
+    assert torch.equal(kernels.dropout_keep_mask(drop, 512, 1024, "cuda"), keep_mask(drop, 512, 1024, "cuda"))
