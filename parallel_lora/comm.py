@@ -25,7 +25,9 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_gather(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), dim, group))
+    # all_gather_tensor is deprecated (FutureWarning) in newer torch in favour of all_gather_single: same op.
+    ag = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(ag(t.contiguous(), dim, group))
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:

@@ -79,7 +79,9 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.scale, ctx.dropout, ctx.backend, ctx.input_gather = scale, dropout, backend, input_gather
         ctx.has_bias = bias is not None
-        return y2d.reshape(*x_full.shape[:-1], weight.shape[0])
+        # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on
+        # the output treat views of Function outputs specially). Same storage, no copy.
+        return y2d.reshape(*x_full.shape[:-1], weight.shape[0]).detach()
 
     @staticmethod
     def backward(ctx, dy):

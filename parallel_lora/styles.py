@@ -120,6 +120,26 @@ class RowwiseParallelLoRA(_LoRAStyle):
         return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
 
+class _KeepRequiresGrad(ParallelStyle):
+    """Apply a torch style, then restore each parameter's ``requires_grad``: torch's ``SequenceParallel``
+    re-registers norm weights as fresh ``nn.Parameter``s, which would unfreeze what ``apply_lora`` froze."""
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+        module = self.style._apply(module, device_mesh)
+        for name, p in module.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
+        return module
+
+    def __repr__(self) -> str:
+        return f"_KeepRequiresGrad({self.style!r})"
+
+
 def _shard_dim(placements: Any) -> int | None:
     placement = placements[0] if isinstance(placements, (tuple, list)) else placements
     return placement.dim if isinstance(placement, Shard) else None
@@ -129,7 +149,7 @@ def lora_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """Map a torch TP plan onto the LoRA styles: ``ColwiseParallel`` -> ``ColwiseParallelLoRA`` and
     ``RowwiseParallel`` -> ``RowwiseParallelLoRA``, with sequence parallelism read off their layouts
     (a ``Shard(d)`` input of a colwise / output of a rowwise style). Other styles (``SequenceParallel``,
-    ``PrepareModuleInput``, ...) are kept as they are.
+    ``PrepareModuleInput``, ...) are kept, except that frozen parameters stay frozen.
 
     Modules under a mapped entry that ``apply_lora`` did not adapt keep the original torch style.
     """
@@ -148,5 +168,5 @@ def lora_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
                 use_local_output=style.use_local_output, fallback=style,
             )
         else:
-            mapped[name] = style
+            mapped[name] = _KeepRequiresGrad(style)
     return mapped

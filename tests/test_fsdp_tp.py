@@ -1,0 +1,103 @@
+"""FSDP2 (``fully_shard`` over ``dp``) on top of the tensor-parallel LoRA layers (``tp``): a 2 x 2 mesh, gloo.
+
+Reference: the same column -> gelu -> row ``LoRALinear`` pair on one device in float64, from the same full
+tensors, trained by AdamW on the loss averaged over both data-parallel batches (what FSDP's averaging
+reduce-scatter of the per-rank gradients computes), with the same ``clip_grad_norm_``. Checked per step:
+each rank's loss, every adapter gradient (``.full_tensor()`` over both mesh dims) and the total gradient
+norm; after training: adapter weights, and the frozen base bitwise unchanged.
+
+Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
+differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import _dist
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear
+
+F64 = torch.float64
+K, H, N, R = 16, 24, 16, 3
+BATCH, SEQ = 2, 8
+DP, TP = 2, 2
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    got = got.full_tensor() if isinstance(got, DTensor) else got
+    torch.testing.assert_close(
+        got.to(F64), ref.detach().to(F64), atol=ATOL * ref.abs().max().item(), rtol=RTOL, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _fsdp_tp_training(steps: int = 2) -> None:
+    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    cfg = LoRAConfig(r=R, alpha=6, backend="auto")
+    torch.manual_seed(1234)
+    col, row = LoRALinear(K, H, cfg, bias=True), LoRALinear(H, N, cfg, bias=True)
+    with torch.no_grad():
+        for m in (col, row):
+            m.lora_B.weight.normal_(0.0, 0.5)  # B = 0 would hide the LoRA path
+            m.bias.normal_()
+    ref = nn.Sequential(copy.deepcopy(col), nn.GELU(), copy.deepcopy(row)).to(F64)
+    model = nn.Sequential(
+        ColumnParallelLoRALinear.from_lora_linear(col, mesh["tp"]),
+        nn.GELU(),
+        RowParallelLoRALinear.from_lora_linear(row, mesh["tp"]),
+    )
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert sorted(trainable) == sorted(n for n, _ in ref.named_parameters() if "lora_" in n), sorted(trainable)
+    assert len(frozen) == 4, sorted(frozen)  # both weights and biases
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "tp"), (name, p.device_mesh)
+    initial = {n: p.full_tensor().clone() for n, p in trainable.items()}
+    ref_trainable = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    opt = torch.optim.AdamW(trainable.values(), lr=2e-2, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref_trainable.values(), lr=2e-2, weight_decay=0.1)
+    max_norm = 0.05
+
+    for step in range(steps):
+        x_all, t_all = torch.randn(DP, BATCH, SEQ, K), torch.randn(DP, BATCH, SEQ, N)  # same on every rank
+        loss = (model(x_all[dp_rank]) - t_all[dp_rank]).square().mean()
+        loss.backward()
+        per_batch_ref = (ref(x_all.to(F64)) - t_all.to(F64)).square().mean(dim=(1, 2, 3))
+        per_batch_ref.mean().backward()
+        _close(loss.detach(), per_batch_ref[dp_rank], f"step {step}: loss of dp batch {dp_rank}")
+        for name, p in trainable.items():
+            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+            _close(p.grad, ref_trainable[name].grad, f"step {step}: {name}.grad")
+        for name, p in model.named_parameters():
+            assert p.requires_grad or p.grad is None, f"frozen {name} got a gradient"
+        norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), max_norm)
+        norm_ref = torch.nn.utils.clip_grad_norm_(list(ref_trainable.values()), max_norm)
+        assert norm_ref > max_norm, "clipping is not exercised"
+        _close(norm, norm_ref, f"step {step}: grad norm")
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+
+    for name, p in trainable.items():
+        _close(p, ref_trainable[name], f"{name} after {steps} steps")
+        assert not torch.equal(p.full_tensor(), initial[name]), f"{name} was not updated"
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p.full_tensor(), frozen[name]), f"frozen {name} changed"
+    assert dist.get_world_size() == DP * TP
+
+
+def test_fsdp2_over_dp_with_lora_tp_layers_trains_like_single_device_fp64():
+    _dist.run_ranks(DP * TP, _fsdp_tp_training)
