@@ -184,13 +184,15 @@ def main():
     parser.add_argument("--reps", type=int, default=200, help="ms of timed repetitions per measurement")
     parser.add_argument("--impls", default="", help="comma-separated subset of implementations")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
+    parser.add_argument("--dropouts", default="0.0,0.1", help="comma-separated dropout probabilities")
+    parser.add_argument("--adapter-dtypes", default="bfloat16,float32", help="comma-separated adapter dtypes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
     shapes = SHAPES[:1] if args.quick else SHAPES
-    dropouts = [0.0] if args.quick else [0.0, 0.1]
-    adapter_dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    dropouts = [0.0] if args.quick else [float(p) for p in args.dropouts.split(",")]
+    adapter_dtypes = [torch.bfloat16] if args.quick else [getattr(torch, d) for d in args.adapter_dtypes.split(",")]
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'drop':>4} {'impl':>14} "
           f"{'fwd_ms':>8} {'fwdbwd_ms':>9} {'fwd/x':>6} {'fb/x':>7} {'held_MiB':>8}")
     impl_filter = set(args.impls.split(",")) if args.impls else None

@@ -1,0 +1,47 @@
+"""Plot a bench_lora.py JSON: fwd and fwd+bwd ratios to the cuBLAS base, one group of bars per shape.
+
+    python benchmarks/plot.py benchmarks/results/2026-12-02-nvidia_h200.json docs/img/benchmarks.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot(json_path: str, png_path: str) -> None:
+    data = json.loads(Path(json_path).read_text())
+    rows = [r for r in data["rows"] if r["impl"] != "base" and r["dropout"] == 0.0]
+    shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0] != 8192, s[1], s[2], s[3]))
+    impls = sorted({r["impl"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    width = 0.8 / len(impls)
+    for ax, key, title in zip(axes, ("fwd_ratio", "fwdbwd_ratio"), ("forward", "forward + backward (W frozen)"),
+                              strict=True):
+        for i, impl in enumerate(impls):
+            values = []
+            for shape in shapes:
+                match = [r[key] for r in rows if tuple(r["shape"]) == shape and r["impl"] == impl]
+                values.append(match[0] if match else float("nan"))
+            ax.bar([j + i * width for j in range(len(shapes))], values, width, label=impl)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels([f"{k}->{n}\nr={r}\nM={m}" for m, k, n, r in shapes], fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel("time / cuBLAS base F.linear")
+    axes[0].legend(fontsize=8)
+    meta = data["meta"]
+    fig.suptitle(f"{meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
+    fig.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+
+
+if __name__ == "__main__":
+    plot(sys.argv[1], sys.argv[2])
