@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import eager
 from .dropout import Dropout, new_seed
-from .dtypes import canonicalize
+from .dtypes import canonicalize, cast_to, compute_dtype
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -203,5 +203,5 @@ def lora_linear(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The base layer alone (for ``disable_adapter`` and merged layers), with the same dtype rule."""
-    _, x, weight, bias, _, _ = canonicalize(x, weight, bias, weight, weight, cast_adapters=False)
-    return F.linear(x, weight, bias)
+    dtype = compute_dtype(x, weight)
+    return F.linear(cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype))
