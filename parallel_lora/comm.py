@@ -15,7 +15,6 @@ base output dtype (bf16 stays bf16 on the wire) and fp32 master-adapter gradient
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
@@ -128,7 +127,3 @@ def reduce_replicated_grad(
     local: torch.Tensor, param: torch.nn.Parameter, group: ProcessGroup, sync: bool
 ) -> torch.Tensor:
     return _ReduceReplicatedGrad.apply(local, param, group, sync)
-
-
-def group_size(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)

@@ -188,6 +188,14 @@ class _ParallelLoRALinear(nn.Module):
     def _width_note(self) -> str:
         return f"in_features={self.in_features}"
 
+    def _canonical_inputs(self, x: torch.Tensor) -> tuple[str, torch.dtype, torch.Tensor, torch.Tensor]:
+        """``(backend, compute dtype, x, local W)`` with ``x`` and ``W`` cast to the compute dtype, by the same
+        rule as the single-device op (``parallel_lora.dtypes``)."""
+        backend = resolve_backend(self.config.backend, x.device)
+        w_local = self.weight.to_local()
+        dtype = compute_dtype(x, w_local)
+        return backend, dtype, cast_to(x, dtype), cast_to(w_local, dtype)
+
     def _local_factors(self, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Local adapter shards; the replicated one gets its gradient all-reduced (in its own dtype, before
         the cast to the compute dtype is undone) once per backward, unless inside ``no_sync``."""
@@ -223,11 +231,7 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
-        backend = resolve_backend(self.config.backend, x.device)
-        w_local = self.weight.to_local()
-        dtype = compute_dtype(x, w_local)
-        x = cast_to(x, dtype)
-        w_local = cast_to(w_local, dtype)
+        backend, dtype, x, w_local = self._canonical_inputs(x)
         b_local = None if self.bias is None else cast_to(self.bias.to_local(), dtype)
         gather = SequenceGather(self.sequence_dim, self._group()) if self.sequence_parallel else None
         if gather is None:
@@ -263,11 +267,7 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
                 f"RowParallelLoRALinear: sequence length {x.shape[self.sequence_dim]} (dim {self.sequence_dim}) "
                 f"must be divisible by the tensor-parallel size {tp} under sequence_parallel"
             )
-        backend = resolve_backend(self.config.backend, x.device)
-        w_local = self.weight.to_local()
-        dtype = compute_dtype(x, w_local)
-        x = cast_to(x, dtype)
-        w_local = cast_to(w_local, dtype)
+        backend, dtype, x, w_local = self._canonical_inputs(x)
         if self.merged or not self.adapter_enabled:
             partial = nn.functional.linear(x, w_local)
         else:
