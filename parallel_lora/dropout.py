@@ -2,9 +2,10 @@
 
 Nothing is stored between forward and backward: both passes regenerate the keep-mask from the seed.
 Element ``(m, k)`` of the mask (global row ``m``, global column ``k``) is kept when
-``uniform(philox(seed, c0=k, c1=m)) >= p``. The eager path below and the Triton kernels compute the
-same Philox-4x32-10 stream, so the two backends drop exactly the same elements, and a tensor-parallel shard
-that owns columns ``[k_offset, k_offset + K_local)`` sees the matching slice of the full mask.
+``hash_uniform(seed, m, k) >= p``, a cheap counter-based hash (see ``hash_uniform``). The eager path below and
+the Triton kernels (``parallel_lora.kernels.dropout_mask``) compute the same hash bit for bit, so the two
+backends drop exactly the same elements, and a tensor-parallel shard that owns columns
+``[k_offset, k_offset + K_local)`` sees the matching slice of the full mask.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
-_PHILOX_KEY_A = 0x9E3779B9
-_PHILOX_KEY_B = 0xBB67AE85
-_PHILOX_ROUND_A = 0xD2511F53
-_PHILOX_ROUND_B = 0xCD9E8D57
-_PHILOX_ROUNDS = 10
 _MASK32 = 0xFFFFFFFF
+# murmur3's fmix32 multipliers, and the 32-bit golden ratio (offsets the seed's low word).
+FMIX_M1 = 0x85EBCA6B
+FMIX_M2 = 0xC2B2AE35
+GOLDEN32 = 0x9E3779B9
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,9 @@ class Dropout:
 
     ``position="pre"`` drops elements of ``x [M, K]`` before ``A``; ``"post"`` drops elements of
     ``x A^T [M, r]`` before ``B``. ``k_offset`` is the global index of this shard's first input column
-    (row-parallel layers shard ``K``); it only matters for ``"pre"``.
+    (row-parallel layers shard ``K``); it only matters for ``"pre"``. ``seed`` (any int, taken mod 2**64)
+    keys the counter-based mask hash ``hash_uniform``: element ``(m, k)`` is kept iff
+    ``hash_uniform(seed, m, k) >= p``.
     """
 
     p: float
@@ -41,34 +42,72 @@ class Dropout:
         return 1.0 / (1.0 - self.p)
 
 
-def _umulhi(a: torch.Tensor, b: int) -> torch.Tensor:
-    return ((a * b) >> 32) & _MASK32
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for uint32 values ``x`` (int64 tensor or Python int) and a uint32 constant ``c``.
+
+    A product of two uint32 values overflows int64, so ``c`` is split into 16-bit halves: ``x * lo < 2**48``
+    and ``x * hi < 2**48``, and only the low 16 bits of ``x * hi`` survive the shift by 16. Exact on CPU and
+    CUDA, no reliance on wrap-around."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
 
 
-def philox_uniform(seed: int, c0: torch.Tensor, c1: torch.Tensor) -> torch.Tensor:
-    """Uniform floats in [0, 1) from Philox-4x32-10 with counter ``(c0, c1, 0, 0)`` and key ``seed``.
+def fmix32(x):
+    """murmur3's 32-bit finalizer on uint32 values held in int64 (a bijection of ``[0, 2**32)`` with full
+    avalanche: each input bit flips each output bit with probability ~1/2)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, FMIX_M1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, FMIX_M2)
+    return x ^ (x >> 16)
 
-    ``c0``/``c1`` are int64 tensors holding uint32 values; returns fp32. Bit-exact with the Triton kernels'
-    ``tl.randint``-based draw followed by the same int->float map.
+
+def hash_keys(seed: int) -> tuple[int, int]:
+    """The per-call keys ``(k_row, k_col)``: a bijection of the 64-bit seed ``(lo, hi)`` (scalar work, once per
+    kernel program) so that every seed bit, ``hi`` included, reaches both keys through a full avalanche::
+
+        t     = fmix32(lo + GOLDEN32)
+        k_row = fmix32(hi ^ t)
+        k_col = fmix32(t + k_row)
+
+    (invertible: ``t = fmix32^-1(k_col) - k_row``, then ``lo`` and ``hi``)."""
+    seed = int(seed)
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    t = fmix32((lo + GOLDEN32) & _MASK32)
+    k_row = fmix32(hi ^ t)
+    k_col = fmix32((t + k_row) & _MASK32)
+    return k_row, k_col
+
+
+def hash_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash ``h(m, k) = fmix32(fmix32(m ^ k_row) + fmix32(k ^ k_col))`` (uint32 arithmetic, ``+``
+    mod 2**32) of broadcastable int64 index tensors, as int64 holding uint32 values.
+
+    Cost: the row term is one hash per row and the column term one per column, so on an ``[M, N]`` tile only
+    the add and the outer fmix32 run per element (9 integer ops, plus the ``>> 8`` of ``hash_uniform``).
+
+    Quality: ``fmix32(m ^ k_row)`` and ``fmix32(k ^ k_col)`` are keyed bijections with full avalanche, so
+    neighbouring rows (columns) get unrelated 32-bit words, with no period along either axis; the outer
+    fmix32 (a bijection) then avalanches their sum, which breaks the additive structure ``R[m] + C[k]``:
+    pairs of rows (columns) are uncorrelated and the top bits are uniform (checked in tests/test_dropout.py:
+    keep rate, row/column pair agreement, lags, periodicity, seed sensitivity). Keying both terms through
+    ``hash_keys`` means two seeds give unrelated masks, not index-permuted copies of each other (which a raw
+    ``k ^ seed_lo`` would give: seeds 0 and 1 would swap columns pairwise). Not a cryptographic or
+    crush-grade generator; ample for dropout masks.
     """
-    k0 = seed & _MASK32
-    k1 = (seed >> 32) & _MASK32
-    c0 = c0 & _MASK32
-    c1 = c1 & _MASK32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    for _ in range(_PHILOX_ROUNDS):
-        prev_c0, prev_c2 = c0, c2
-        c0 = _umulhi(prev_c2, _PHILOX_ROUND_B) ^ c1 ^ k0
-        c2 = _umulhi(prev_c0, _PHILOX_ROUND_A) ^ c3 ^ k1
-        c1 = (prev_c2 * _PHILOX_ROUND_B) & _MASK32
-        c3 = (prev_c0 * _PHILOX_ROUND_A) & _MASK32
-        k0 = (k0 + _PHILOX_KEY_A) & _MASK32
-        k1 = (k1 + _PHILOX_KEY_B) & _MASK32
-    # Same map as Triton's uint_to_uniform_float for 32-bit ints: reinterpret as int32, fold negatives.
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)
-    x = torch.where(x < 0, -x - 1, x)
-    return x.to(torch.float32) * 4.6566127342e-10
+    k_row, k_col = hash_keys(seed)
+    r = fmix32((rows & _MASK32) ^ k_row)
+    c = fmix32((cols & _MASK32) ^ k_col)
+    return fmix32((r + c) & _MASK32)
+
+
+def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Uniform fp32 in [0, 1): ``u = (h >> 8) * 2**-24`` with ``h = hash_bits(seed, rows, cols)``.
+
+    ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32). Every
+    value is a multiple of 2**-24 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
+    """
+    return (hash_bits(seed, rows, cols) >> 8).to(torch.float32) * 2.0**-24
 
 
 def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
@@ -77,8 +116,7 @@ def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str
     offset = dropout.k_offset if dropout.position == "pre" else 0
     m = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
     k = torch.arange(offset, offset + cols, device=device, dtype=torch.int64).unsqueeze(0)
-    m, k = torch.broadcast_tensors(m, k)
-    return philox_uniform(dropout.seed, k, m) >= dropout.p
+    return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/column
 
 
 def new_seed() -> int:

@@ -37,7 +37,8 @@ def _as_int32(v: int) -> int:
 
 
 def split_seed(seed: int) -> tuple[int, int]:
-    """The 64-bit Philox key as two int32 kernel arguments ``(lo, hi)``.
+    """The 64-bit dropout seed (the key of the mask hash, ``dropout_mask.hash_tile``) as two int32 kernel
+    arguments ``(lo, hi)``.
 
     Triton types a Python int argument by its value (i32 below 2**31, i64 above), so passing the seed
     whole would compile two kernel variants; two int32 halves (reassembled in-kernel) keep one.

@@ -1,12 +1,19 @@
 """The dropout keep-mask as the kernels draw it, plus a tiny kernel that materializes it for tests.
 
-Element ``(m, c)`` of a dropped tensor is kept iff ``u(m, c) >= p`` with
+Element ``(m, c)`` of a dropped tensor is kept iff ``u(m, c) >= p`` with (uint32 arithmetic)
 
-    u(m, c) = uint_to_uniform_float(philox_4x32_10(key=seed, counter=(c, m, 0, 0))[0])
+    h(m, c) = fmix32(fmix32(m ^ k_row) + fmix32(c ^ k_col)),    u(m, c) = (h >> 8) * 2**-24
 
-where ``c`` is the *global* column (``k_offset + k`` for "pre" on ``x [M, K]``, ``j`` in ``[0, r)`` for
-"post" on ``x A^T [M, r]``). This is the stream of ``parallel_lora.dropout.philox_uniform`` (the eager
-path), bit for bit. Masks are never stored: each kernel that needs one regenerates its tile from the seed.
+where ``fmix32`` is murmur3's finalizer, ``(k_row, k_col)`` are derived from the 64-bit seed once per program
+(``parallel_lora.dropout.hash_keys``), and ``c`` is the *global* column (``k_offset + k`` for "pre" on
+``x [M, K]``, ``j`` in ``[0, r)`` for "post" on ``x A^T [M, r]``). This is
+``parallel_lora.dropout.hash_uniform`` (the eager path), bit for bit. Masks are never stored: each kernel
+that needs one regenerates its tile from the seed.
+
+Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the column term once per column of
+the ``[1, BN]`` vector; per element of the ``[BM, BN]`` tile only the add, the outer fmix32 and the keep test
+run: 10 integer ops (add; 3 shifts, 3 xors, 2 multiplies; ``>> 8``) plus one int->float conversion and one
+compare, against ~130 for a Philox-4x32-10 draw per element.
 """
 
 from __future__ import annotations
@@ -15,29 +22,58 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dropout import Dropout
+from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout
 from ._interp import split_seed
+
+_FMIX_M1 = tl.constexpr(FMIX_M1)
+_FMIX_M2 = tl.constexpr(FMIX_M2)
+_GOLDEN32 = tl.constexpr(GOLDEN32)
 
 
 @triton.jit
-def philox_uniform_tile(seed_lo, seed_hi, rows, cols):
-    """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` (column vector) x ``cols`` (row vector)."""
-    # The key travels as two int32 halves (one compiled variant for every seed); reassemble the uint64.
-    hi = seed_hi.to(tl.uint32, bitcast=True).to(tl.uint64)
-    lo = seed_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    seed = (hi << 32) | lo
-    zero = rows * 0 + cols * 0
-    c0 = (cols + zero).to(tl.uint32)
-    c1 = (rows + zero).to(tl.uint32)
-    z = zero.to(tl.uint32)
-    r0, _, _, _ = tl.philox(seed, c0, c1, z, z)
-    return tl.uint_to_uniform_float(r0)
+def fmix32(x):
+    """murmur3's 32-bit finalizer on uint32 (``>>`` is a logical shift on unsigned types; the multiplies
+    wrap mod 2**32, hence ``sanitize_overflow=False``)."""
+    x = x ^ (x >> 16)
+    x = tl.mul(x, _FMIX_M1, sanitize_overflow=False)
+    x = x ^ (x >> 13)
+    x = tl.mul(x, _FMIX_M2, sanitize_overflow=False)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def hash_tile(seed_lo, seed_hi, rows, cols):
+    """uint32 hash of the broadcast tile of ``rows`` (global row indices) x ``cols`` (global column indices);
+    see the module docstring. One operand is normally a column vector and the other a row vector, so the
+    two inner hashes run once per row / column and only the add and the outer fmix32 run per element."""
+    # Key schedule (scalars, once per program): the seed travels as two int32 halves (one compiled variant
+    # for every seed); mixed so that every seed bit reaches both keys (parallel_lora.dropout.hash_keys).
+    lo = seed_lo.to(tl.uint32, bitcast=True)
+    hi = seed_hi.to(tl.uint32, bitcast=True)
+    t = fmix32(tl.add(lo, _GOLDEN32, sanitize_overflow=False))
+    k_row = fmix32(hi ^ t)
+    k_col = fmix32(tl.add(t, k_row, sanitize_overflow=False))
+    # Indices are non-negative; .to(uint32) is a bitcast for int32 and keeps the low word of an int64.
+    r = fmix32(rows.to(tl.uint32) ^ k_row)
+    c = fmix32(cols.to(tl.uint32) ^ k_col)
+    return fmix32(tl.add(r, c, sanitize_overflow=False))
+
+
+@triton.jit
+def uniform_tile(seed_lo, seed_hi, rows, cols):
+    """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` x ``cols``: ``(h >> 8) * 2**-24`` (exact)."""
+    return (hash_tile(seed_lo, seed_hi, rows, cols) >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
 def keep_tile(seed_lo, seed_hi, p, rows, cols):
-    """Boolean keep-mask tile: ``u(rows, cols) >= p``."""
-    return philox_uniform_tile(seed_lo, seed_hi, rows, cols) >= p
+    """Boolean keep-mask tile: ``u(rows, cols) >= p``.
+
+    Evaluated as ``(h >> 8) >= p * 2**24`` in fp32, which is the same predicate exactly (``h >> 8 < 2**24`` is
+    exact in fp32 and scaling by a power of two is exact), with the scaling done once on the scalar ``p``."""
+    threshold = p * 16777216.0
+    return (hash_tile(seed_lo, seed_hi, rows, cols) >> 8).to(tl.float32) >= threshold
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "col_offset"])
@@ -57,13 +93,14 @@ def _lora_dropout_mask_kernel(
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    u = philox_uniform_tile(seed_lo, seed_hi, offs_m[:, None], col_offset + offs_c[None, :])
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :] * stride_oc
     in_bounds = (offs_m[:, None] < rows) & (offs_c[None, :] < cols)
     if WRITE_UNIFORM:
+        u = uniform_tile(seed_lo, seed_hi, offs_m[:, None], col_offset + offs_c[None, :])
         tl.store(ptrs, u, mask=in_bounds)
-    else:
-        tl.store(ptrs, (u >= p).to(tl.uint8), mask=in_bounds)
+    else:  # the kernels' own predicate, so tests of this mask cover keep_tile
+        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], col_offset + offs_c[None, :])
+        tl.store(ptrs, keep.to(tl.uint8), mask=in_bounds)
 
 
 def _draw(seed: int, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
@@ -90,6 +127,7 @@ def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.devi
     return _draw(dropout.seed, dropout.p, rows, cols, offset, device, uniform=False).view(torch.bool)
 
 
-def philox_uniform(seed: int, rows: int, cols: int, col_offset: int, device) -> torch.Tensor:
-    """The kernels' fp32 uniforms ``u(m, col_offset + c)`` (to check the eager transcription bit for bit)."""
+def hash_uniform(seed: int, rows: int, cols: int, col_offset: int, device) -> torch.Tensor:
+    """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]`` (to check the eager
+    ``parallel_lora.dropout.hash_uniform`` bit for bit)."""
     return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)
