@@ -20,7 +20,7 @@ import torch
 
 from parallel_lora import eager
 from parallel_lora.dropout import Dropout, keep_mask
-from parallel_lora.dropout import philox_uniform as torch_philox_uniform
+from parallel_lora.dropout import hash_uniform as torch_hash_uniform
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,7 +30,7 @@ if not (INTERPRETING or HAS_CUDA):
 
 from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
 from parallel_lora.kernels import configs as kconfigs  # noqa: E402
-from parallel_lora.kernels.dropout_mask import philox_uniform as triton_philox_uniform  # noqa: E402
+from parallel_lora.kernels.dropout_mask import hash_uniform as triton_hash_uniform  # noqa: E402
 from parallel_lora.kernels.rank_reduce import split_rows  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -174,11 +174,45 @@ def test_non_contiguous_inputs_match_eager(dtype):
     check_against_eager(x_nc, weight_nc, b_nc, lora_A_nc, lora_B_nc, dy_nc, SCALE, drop)
 
 
+def _gemm_paths(monkeypatch) -> list[str]:
+    """Record which GEMM kernel each ``lora_gemm`` call takes."""
+    from parallel_lora.kernels import gemm
+
+    taken = []
+    real = gemm.lora_gemm_tma
+
+    def spy(*args, **kwargs):
+        taken.append("tma")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemm, "lora_gemm_tma", spy)
+    return taken
+
+
+@pytest.mark.parametrize(
+    "dtype, K, N, tma",
+    [
+        (torch.bfloat16, 96, 80, True),  # 16-bit, rows a multiple of 16 bytes: TMA for y and dx
+        (torch.float16, 96, 80, True),
+        (torch.bfloat16, 97, 80, False),  # x and W rows of 194 bytes cannot be described
+        (torch.bfloat16, 96, 81, False),  # y and dy rows of 162 bytes
+        (torch.float32, 96, 80, False),  # fp32 stays on the pointer kernel
+    ],
+)
+def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch, dtype, K, N, tma):
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    taken = _gemm_paths(monkeypatch)
+    inputs = make_inputs(70, K, N, 16, dtype)  # M = 70: a tail of rows in every tile size
+    check_against_eager(*inputs, SCALE, DROPOUTS["pre"])
+    assert taken == (["tma", "tma"] if tma else [])
+
+
 def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for M = 0")
 
-    for mod in ("shrink", "gemm", "rank_reduce"):
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
         monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", no_launch)
     x, weight, b, lora_A, lora_B, dy = make_inputs(0, 16, 8, 4, torch.bfloat16)
     y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
@@ -218,22 +252,26 @@ def test_wrong_seed_fails_the_check():
 # Dropout masks.
 # ---------------------------------------------------------------------------------------------------------
 
-SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**62 - 1, 987_654_321_987]
+SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_triton_philox_uniform_is_bit_exact_with_torch(seed):
-    rows, cols, offset = 45, 67, 1000
-    u = triton_philox_uniform(seed, rows, cols, offset, DEVICE)
-    m = torch.arange(rows, device=DEVICE).unsqueeze(1).expand(rows, cols)
-    k = torch.arange(offset, offset + cols, device=DEVICE).unsqueeze(0).expand(rows, cols)
-    assert torch.equal(u, torch_philox_uniform(seed, k.contiguous(), m.contiguous()))
+@pytest.mark.parametrize("rows, cols, offset", [(45, 67, 1000), (33, 5, 0), (1, 97, 2**31 - 50)])
+def test_triton_hash_uniform_is_bit_exact_with_torch(seed, rows, cols, offset):
+    u = triton_hash_uniform(seed, rows, cols, offset, DEVICE)
+    m = torch.arange(rows, device=DEVICE).unsqueeze(1)
+    k = torch.arange(offset, offset + cols, device=DEVICE).unsqueeze(0)
+    ref = torch_hash_uniform(seed, m, k)
+    assert ref.shape == (rows, cols) and ref.dtype == torch.float32
+    assert torch.equal(u, ref)
+    assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**24, (u * 2**24).floor())
 
 
 @pytest.mark.parametrize("position,k_offset", [("pre", 0), ("pre", 37), ("post", 0), ("post", 37)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_triton_mask_equals_keep_mask(position, k_offset, p):
-    drop = Dropout(p=p, seed=2**33 + 5, position=position, k_offset=k_offset)
+@pytest.mark.parametrize("seed", [3, 2**33 + 5])
+def test_triton_mask_equals_keep_mask(position, k_offset, p, seed):
+    drop = Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
     mask = kernels.dropout_keep_mask(drop, 50, 70, DEVICE)
     assert mask.dtype == torch.bool
     assert torch.equal(mask, keep_mask(drop, 50, 70, DEVICE))
@@ -300,6 +338,7 @@ def test_bad_backward_input_raises_value_error():
 
 _SPECS = {
     "gemm": ("parallel_lora.kernels.gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "gemm_tma": ("parallel_lora.kernels.gemm_tma", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
     "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
     "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F": 4096}),
 }
@@ -317,6 +356,8 @@ def _spec(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernel", list(_SPECS))
 def test_pruned_configs_fit_shared_memory(kernel, dtype, r_pad, smem_limit):
+    if kernel == "gemm_tma" and dtype == torch.float32:
+        pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
     spec, sizes = _spec(kernel)
     consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
     nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
@@ -359,7 +400,15 @@ def test_gpu_bf16_llama_shape_matches_fp64(position):
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "shape", [(1, 4096, 4096, 16), (1000, 1001, 999, 5), (333, 257, 129, 256), (77, 33, 65, 1)]
+    "shape",
+    [
+        (1, 4096, 4096, 16),
+        (1000, 1001, 999, 5),  # unaligned rows: the pointer GEMM
+        (1000, 1024, 1016, 5),  # aligned rows with M / N tails: the TMA GEMM on Hopper
+        (333, 257, 129, 256),
+        (333, 264, 136, 256),  # TMA with four rank chunks in the epilogue
+        (77, 33, 65, 1),
+    ],
 )
 def test_gpu_odd_shapes_match_fp64(dtype, shape):
     torch.manual_seed(0)

@@ -81,18 +81,44 @@ def gemm_fits(cfg: dict, nargs: dict) -> bool:
     )
 
 
+def gemm_tma_configs() -> list[triton.Config]:
+    """The persistent TMA GEMM (Hopper): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). 128x256x64 in 3 stages
+    with 8 warps is the shape that matched cuBLAS in the issue's probe; 4 stages of it exceed 227 KB."""
+    rows = [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (64, 64, 64, 3, 4),  # the fallback that fits ~100 KB (sm_120-class parts have TMA but less smem)
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in rows
+    ]
+
+
+def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # Per stage one x and one w tile; half the output tile is staged in shared memory for its TMA store; the
+    # rank-r tiles of one chunk go through shared memory on their way to the tensor cores.
+    bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem
+
+
 def shrink_configs() -> list[triton.Config]:
-    """Rank-r shrink ``[M, K] @ [K, r]``: (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD."""
+    """Rank-r shrink ``[M, K] @ [K, r]``: (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD.
+
+    The shrink is bandwidth-bound (it reads x once), so the list favours many programs (small BLOCK_M:
+    M = 8192 rows make 256-512 programs for 132 SMs) with deep, wide K tiles in flight."""
     rows = [
         (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
-        (32, 64, 4, 4),
+        (16, 128, 4, 4),
+        (16, 256, 3, 4),
         (32, 128, 4, 4),
-        (64, 64, 3, 4),
+        (32, 256, 3, 4),
+        (32, 256, 4, 8),
         (64, 64, 4, 4),
         (64, 128, 3, 4),
-        (128, 32, 4, 8),
+        (64, 128, 4, 8),
         (128, 64, 3, 8),
-        (128, 128, 3, 8),
     ]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_stages=s, num_warps=w) for bm, bk, s, w in rows]
 
@@ -106,15 +132,17 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
 
 
 def reduce_configs() -> list[triton.Config]:
-    """Rank-r reduction over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps)."""
+    """Rank-r reduction over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps). Bandwidth-bound
+    like the shrink: the split over M (``rank_reduce.split_rows``) supplies the programs."""
     rows = [
         (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
-        (64, 32, 4, 4),
-        (64, 64, 3, 4),
+        (64, 64, 4, 4),
         (64, 128, 3, 4),
-        (128, 32, 4, 4),
-        (128, 64, 3, 8),
+        (64, 128, 4, 4),
+        (128, 64, 3, 4),
+        (128, 64, 4, 8),
         (128, 128, 3, 8),
+        (256, 64, 3, 8),
     ]
     return [triton.Config({"BLOCK_F": bf, "BLOCK_M": bm}, num_stages=s, num_warps=w) for bf, bm, s, w in rows]
 
@@ -137,6 +165,7 @@ SMALL_WORK = 2**27
 
 INTERP_CONFIGS = {
     "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
+    "gemm_tma": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
     "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
     "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
 }
@@ -184,13 +213,30 @@ def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None,
     return kept
 
 
-@functools.cache
+# (spec name, kernel name) -> its autotuner, created at the kernel's first GPU launch.
+_TUNED: dict[tuple[str, str], triton.runtime.Autotuner] = {}
+
+
 def _tuned(spec: KernelSpec, kernel):
-    return triton.autotune(
-        configs=spec.configs(),
-        key=list(spec.key),
-        prune_configs_by={"early_config_prune": functools.partial(prune, spec)},
-    )(kernel)
+    key = (spec.name, kernel.__name__)
+    if key not in _TUNED:
+        _TUNED[key] = triton.autotune(
+            configs=spec.configs(),
+            key=list(spec.key),
+            prune_configs_by={"early_config_prune": functools.partial(prune, spec)},
+        )(kernel)
+    return _TUNED[key]
+
+
+def tuned_summary() -> dict[str, list[str]]:
+    """Every autotuned kernel's chosen config per key, for benchmark logs."""
+    return {
+        name: [
+            f"{key}: {cfg.kwargs} stages={cfg.num_stages} warps={cfg.num_warps}"
+            for key, cfg in tuner.cache.items()
+        ]
+        for (name, _), tuner in _TUNED.items()
+    }
 
 
 def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:

@@ -13,6 +13,10 @@ fp32 accumulator, ``acc = s_tile @ f_tile`` (r in ``BLOCK_R`` chunks), applies t
 output columns ``n_offset + n`` and ``1/(1-p)`` to it (dx only: the mask belongs to the LoRA term alone),
 then runs the ordinary K loop ``acc += x_tile @ w_tile`` into the *same* accumulator, adds the bias, and
 rounds once to the output dtype. No separate pass over ``out`` is made for the LoRA term.
+
+This pointer kernel is the portable path (any strides, fp32, pre-Hopper GPUs). ``lora_gemm`` sends 16-bit
+operands with TMA-describable rows on Hopper-or-newer GPUs to ``gemm_tma`` (persistent, TMA-fed), which
+computes the same function.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton.language as tl
 from ._interp import dot_options, pad_rank, split_seed
 from .configs import KernelSpec, gemm_configs, gemm_fits, gemm_smem, launch
 from .dropout_mask import keep_tile
+from .gemm_tma import lora_gemm_tma, tma_compatible
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -167,6 +172,15 @@ def lora_gemm(
         return out
     seed_lo, seed_hi = split_seed(seed)
     keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
+    # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
+    # for dx, or W = w.t() for y.
+    w_nk = w.stride(0) == 1 and w.stride(1) != 1
+    w_tma = w.t() if w_nk else w
+    if tma_compatible(x, w_tma, N_out):
+        return lora_gemm_tma(
+            x, w_tma, w_nk, bias, s, f, out, keep_scale=keep_scale, p=p, seed_lo=seed_lo, seed_hi=seed_hi,
+            n_offset=n_offset, lora_drop=lora_drop,
+        )  # fmt: skip
     args = (
         x, w, bias if bias is not None else out, s, f, out, M, N_out, K_red, R,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1),

@@ -1,0 +1,276 @@
+"""The Hopper path of the LoRA GEMM: a persistent, TMA-fed GEMM with the rank-r term in its epilogue.
+
+    out[M, N_out] = x[M, K_red] @ w (+ bias) + c * drop(s[M, r] @ f[r, N_out])
+
+    forward  y  = x  W^T + b + S B^T     w = W [N, K] read as [BLOCK_N, BLOCK_K] tiles (W_NK)
+    backward dx = dy W + drop_pre(G A)   w = W [N, K] read as [BLOCK_K, BLOCK_N] tiles (the same W, no copy)
+
+Same math and arguments as ``gemm._lora_gemm_kernel`` (the portable pointer kernel); what changes is how
+the tiles move. ``NUM_SMS`` programs walk the output tiles in grouped order (``GROUP_M`` row-blocks sweep
+the N tiles together, so the ``w`` panel stays in L2), and every x / w / out tile moves through a device-side
+TMA descriptor (``tl.make_tensor_descriptor``): bulk copies into swizzled shared memory feeding wgmma, with
+out-of-bounds rows and columns zero-filled on load and clipped on store, so M, N and K tails need no masks.
+The output leaves as two half-width tiles (half the shared-memory staging).
+
+The rank-r term goes into the same fp32 accumulator, ``acc += s_tile @ f_tile`` (r in ``BLOCK_R`` chunks),
+after the K loop; for dx under "pre" dropout it goes first, masked (columns ``n_offset + n``) and scaled by
+``1/(1-p)``, and the K loop then accumulates onto it, so the mask touches the LoRA term alone without a
+second accumulator tile.
+
+Why this structure (``benchmarks/probe_gemm.py``, H200, bf16, ratio to cuBLAS; NOTES.md has the table): the
+bare persistent TMA core runs at 0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``)
+is as fast without a rank term but 1.20-1.26x with one in the epilogue, and 2-2.4x with one in the
+prologue; unflattened loops with the half-tile store hold the rank term at 0.99-1.06x.
+
+Descriptors need 16-bit operands, unit inner strides and 16-byte aligned rows (``tma_compatible``); the
+launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import dot_options, interpreting, pad_rank
+from .configs import KernelSpec, gemm_fits, gemm_tma_configs, gemm_tma_smem, launch
+from .dropout_mask import keep_tile
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: ``GROUP_M`` row-blocks of tiles share each sweep over the N tiles."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _rank_term(
+    acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
+    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32, r in ``BLOCK_R`` chunks (unrolled; a chunk past R
+    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r."""
+    m_in = offs_m < M
+    n_in = offs_n < N_OUT
+    rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
+    for r0 in tl.static_range(0, R_PAD, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_in = offs_r < R
+        s = tl.load(s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr, mask=m_in[:, None] & r_in[None, :],
+                    other=0.0)  # fmt: skip
+        f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
+                    mask=r_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            s = s.to(tl.float32)
+            f = f.to(tl.float32)
+        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
+def _lora_gemm_tma_kernel(
+    # pointers
+    x_ptr,  # [M, K_RED]     activation (x, or dy), unit inner stride
+    w_ptr,  # W [N_OUT, K_RED] when W_NK, else [K_RED, N_OUT]; unit inner stride
+    bias_ptr,  # [N_OUT] or a dummy when not HAS_BIAS
+    s_ptr,  # [M, R]         rank-r activation (S, or G)
+    f_ptr,  # [R, N_OUT]     rank-r factor (B^T, or A)
+    out_ptr,  # [M, N_OUT]   unit inner stride
+    # sizes
+    M,
+    N_OUT,
+    K_RED,
+    R,
+    # strides (inner strides are 1 for x, w, out)
+    stride_xm,
+    stride_w,
+    stride_sm,
+    stride_sr,
+    stride_fr,
+    stride_fn,
+    stride_om,
+    stride_bias,
+    # runtime scalars (changing them never recompiles)
+    keep_scale,
+    p,
+    seed_lo,
+    seed_hi,
+    n_offset,
+    # compile-time
+    W_NK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LORA_DROP: tl.constexpr,
+    R_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    k_tiles = tl.cdiv(K_RED, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LORA_DROP:
+            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
+            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
+            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
+            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
+            acc = tl.where(keep, acc * keep_scale, 0.0)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = x_desc.load([pid_m * BLOCK_M, off_k])
+            if W_NK:
+                b = w_desc.load([pid_n * BLOCK_N, off_k]).T
+            else:
+                b = w_desc.load([off_k, pid_n * BLOCK_N])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if not LORA_DROP:
+            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
+            acc += bias[None, :].to(tl.float32)
+        # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+
+
+_SPEC = KernelSpec(
+    name="gemm_tma",
+    configs=gemm_tma_configs,
+    key=("M", "N_OUT", "K_RED", "R"),
+    smem=gemm_tma_smem,
+    work=lambda n: n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"]),
+    fits=gemm_fits,
+    dtype_arg="x_ptr",
+)
+
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_BLOCK_R = 64
+
+
+@functools.cache
+def _device_has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A TMA-describable 2-D operand: unit inner stride, 16-byte aligned base and row stride."""
+    elem = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * elem) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether the 2-D operand ``t`` can be read through a TMA descriptor: a 16-bit dtype on a Hopper-or-newer
+    GPU (or in the interpreter) with describable rows (unit inner stride, 16-byte aligned rows)."""
+    if t.dtype not in _TMA_DTYPES:
+        return False
+    if not interpreting() and (t.device.type != "cuda" or not _device_has_tma(t.device.index or 0)):
+        return False
+    return _rows_ok(t)
+
+
+def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
+    """Whether ``x [M, K_red]`` and the frozen operand ``w`` (W, either orientation, as passed) can go through
+    the TMA GEMM, with an output whose rows (``out_cols`` elements) are 16-byte aligned."""
+    return tma_rows(x) and tma_rows(w) and (out_cols * x.element_size()) % 16 == 0
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Device-side descriptors live in a global workspace that Triton asks for at launch.
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def ensure_allocator() -> None:
+    # Triton keeps its allocator in a ContextVar: autograd's device threads start with the default (none),
+    # so the check runs at every launch, in the launching thread. A user's own allocator is left alone.
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def lora_gemm_tma(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_nk: bool,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    f: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    keep_scale: float,
+    p: float,
+    seed_lo: int,
+    seed_hi: int,
+    n_offset: int,
+    lora_drop: bool,
+) -> torch.Tensor:
+    """Fill ``out [M, N_out]`` with ``x @ (w.T if w_nk else w) (+ bias) + drop(s @ f)``; operands checked by
+    ``tma_compatible`` and the caller."""
+    M, K_red = x.shape
+    N_out = out.shape[1]
+    R = s.shape[1]
+    r_pad = pad_rank(R)
+    num_sms = 2 if interpreting() else _num_sms(x.device.index or 0)
+    if not interpreting():
+        ensure_allocator()
+    args = (
+        x, w, bias if bias is not None else out, s, f, out, M, N_out, K_red, R,
+        x.stride(0), w.stride(0), s.stride(0), s.stride(1), f.stride(0), f.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset),
+    )  # fmt: skip
+    consts = {
+        "W_NK": w_nk,
+        "HAS_BIAS": bias is not None,
+        "LORA_DROP": lora_drop,
+        "R_PAD": r_pad,
+        "BLOCK_R": min(r_pad, _MAX_BLOCK_R),
+        "NUM_SMS": num_sms,
+        **dot_options(x.dtype),
+    }
+
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N_out, meta["BLOCK_N"])
+        return (max(1, min(num_sms, tiles)),)
+
+    launch(_SPEC, _lora_gemm_tma_kernel, grid, args, consts)
+    return out
