@@ -1,0 +1,167 @@
+"""Time each launch of the fused LoRA op on its own, next to the cuBLAS GEMMs it rides on (needs CUDA).
+
+    python benchmarks/kernel_breakdown.py                 # the DESIGN section 6 shapes
+    python benchmarks/kernel_breakdown.py --shapes 8192,4096,4096,16 --out breakdown.json
+
+For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then prints medians
+(``triton.testing.do_bench``) of:
+
+- ``copy``                    a device-to-device copy of x (bytes read + written: the bandwidth ceiling)
+- ``cublas_y`` / ``cublas_dx`` ``F.linear(x, W)`` and ``dy @ W``: the base layer's two GEMMs
+- ``gemm_y`` / ``gemm_dx``     our GEMM with the rank-r term folded in (``_r0``: a rank of zero, the bare
+                               core; ``_ptr``: the portable pointer kernel instead of the TMA one; ``_drop``:
+                               dx with the "pre" dropout mask on the LoRA term)
+- ``shrink_S`` / ``shrink_G``  ``S = s x A^T`` and ``G = s dy B`` (``_drop``: with the "pre" mask on x)
+- ``reduce_dB`` / ``reduce_dA`` ``dB = dy^T S`` and ``dA = G^T x`` (``_drop``: with the mask on x)
+- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``)
+
+with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
+autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parallel_lora import kernels  # noqa: E402
+from parallel_lora.dropout import Dropout  # noqa: E402
+from parallel_lora.kernels import configs, gemm  # noqa: E402
+from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
+from parallel_lora.kernels.rank_reduce import lora_rank_reduce  # noqa: E402
+from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
+
+SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
+
+
+def bench(fn, reps: int) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=reps, return_mode="median")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def pointer_only(fn):
+    """Run ``fn`` with the TMA path switched off (the portable pointer kernel)."""
+
+    def run():
+        saved = gemm.tma_compatible
+        gemm.tma_compatible = lambda *a: False
+        try:
+            return fn()
+        finally:
+            gemm.tma_compatible = saved
+
+    return run
+
+
+def run_shape(M, K, N, r, reps):
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    W = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
+    A = torch.randn(r, K, device=dev, dtype=dt) / K**0.5
+    B = torch.randn(N, r, device=dev, dtype=dt) / r**0.5
+    dy = torch.randn(M, N, device=dev, dtype=dt)
+    s = 2.0
+    drop = Dropout(p=0.1, seed=1234, position="pre", k_offset=0)
+    S = lora_shrink(x, A.t(), s)
+    G = lora_shrink(dy, B, s)
+    S0 = torch.empty(M, 0, device=dev, dtype=dt)
+    B0 = torch.empty(0, N, device=dev, dtype=dt)
+    A0 = torch.empty(0, K, device=dev, dtype=dt)
+
+    # Correctness first (fp32 torch references).
+    y_ref = x.float() @ W.float().t() + S.float() @ B.float().t()
+    dx_ref = dy.float() @ W.float() + G.float() @ A.float()
+    checks = {
+        "gemm_y": rel(lora_gemm(x, W.t(), None, S, B.t()), y_ref),
+        "gemm_y_ptr": rel(pointer_only(lambda: lora_gemm(x, W.t(), None, S, B.t()))(), y_ref),
+        "gemm_dx": rel(lora_gemm(dy, W, None, G, A), dx_ref),
+        "shrink_S": rel(S, s * x.float() @ A.float().t()),
+        "shrink_G": rel(G, s * dy.float() @ B.float()),
+        "reduce_dB": rel(lora_rank_reduce(dy, S, transpose_out=False), dy.float().t() @ S.float()),
+        "reduce_dA": rel(lora_rank_reduce(x, G, transpose_out=True), G.float().t() @ x.float()),
+    }
+    for name, err in checks.items():
+        if not err < 1e-2:
+            raise RuntimeError(f"{name} at {M},{K},{N},{r}: rel err {err:.3g}")
+
+    p = drop.p
+    cases = {
+        "copy": (lambda: x.clone(), 2 * x.numel() * 2),
+        "cublas_y": (lambda: F.linear(x, W), None),
+        "cublas_dx": (lambda: dy @ W, None),
+        "gemm_y_r0": (lambda: lora_gemm(x, W.t(), None, S0, B0), None),
+        "gemm_y": (lambda: lora_gemm(x, W.t(), None, S, B.t()), None),
+        "gemm_y_ptr": (pointer_only(lambda: lora_gemm(x, W.t(), None, S, B.t())), None),
+        "gemm_dx_r0": (lambda: lora_gemm(dy, W, None, S0, A0), None),
+        "gemm_dx": (lambda: lora_gemm(dy, W, None, G, A), None),
+        "gemm_dx_drop": (lambda: lora_gemm(dy, W, None, G, A, p=p, seed=1234, lora_drop=True), None),
+        "shrink_S": (lambda: lora_shrink(x, A.t(), s), x.numel() * 2),
+        "shrink_S_drop": (lambda: lora_shrink(x, A.t(), s, p=p, seed=1234, drop_pre=True), x.numel() * 2),
+        "shrink_G": (lambda: lora_shrink(dy, B, s), dy.numel() * 2),
+        "reduce_dB": (lambda: lora_rank_reduce(dy, S, transpose_out=False), dy.numel() * 2),
+        "reduce_dA": (lambda: lora_rank_reduce(x, G, transpose_out=True), x.numel() * 2),
+        "reduce_dA_drop": (
+            lambda: lora_rank_reduce(x, G, transpose_out=True, p=p, seed=1234, drop_feat=True),
+            x.numel() * 2,
+        ),
+        "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
+        "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
+        "backward": (lambda: kernels.backward(dy, x, W, A, B, S, s, None), None),
+        "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
+    }
+    rows = []
+    for name, (fn, nbytes) in cases.items():
+        ms = bench(fn, reps)
+        row = {"shape": [M, K, N, r], "kernel": name, "ms": ms}
+        if nbytes:
+            row["GB_per_s"] = nbytes / ms / 1e6
+        rows.append(row)
+        gbs = f"{row['GB_per_s']:8.0f}" if nbytes else " " * 8
+        print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>16} {ms * 1e3:9.1f} us {gbs}", flush=True)
+    return rows, checks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="", help="M,K,N,r;M,K,N,r;... (default: the DESIGN shapes)")
+    parser.add_argument("--reps", type=int, default=100, help="ms of timed repetitions per kernel")
+    parser.add_argument("--out", default="kernel_breakdown.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_breakdown.py needs a CUDA GPU")
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'kernel':>16} {'time':>12} {'GB/s':>8}")
+    rows, errs = [], {}
+    for shape in shapes:
+        shape_rows, checks = run_shape(*shape, args.reps)
+        rows += shape_rows
+        errs[",".join(map(str, shape))] = checks
+        errs[",".join(map(str, shape)) + " configs"] = configs.tuned_summary()
+        print(configs.tuned_summary(), flush=True)
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": rows, "checks": errs}, f, indent=1)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
