@@ -378,6 +378,20 @@ def test_small_problems_take_one_config_and_large_ones_autotune(kernel):
     assert len(kconfigs.prune(spec, spec.configs(), large, smem_limit=232_448, **consts)) > 1
 
 
+def test_launch_cache_key_separates_what_triton_specializes_on():
+    # A cached compiled kernel is reused only for arguments Triton would have compiled it for: tensors of
+    # one dtype and 16-byte alignment, ints of one width with the same "== 1" / "% 16 == 0" properties.
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    cls = kconfigs._arg_class
+    assert cls(buf[:8]) == cls(buf[8:16])  # 16 bytes apart: both aligned
+    assert cls(buf[:8]) != cls(buf[1:9])  # 2 bytes off
+    assert cls(buf[:8]) != cls(buf[:8].float())
+    assert cls(32) == cls(48)
+    assert len({cls(v) for v in (1, 16, 17, 2**31, -(2**31) - 1, 2**63)}) == 6
+    assert len({cls(v) for v in (True, False, 1)}) == 3
+    assert cls(0.5) == cls(2.0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes (skipped without CUDA).
 # ---------------------------------------------------------------------------------------------------------
@@ -431,3 +445,23 @@ def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
     assert torch.equal(kernels.dropout_keep_mask(drop, 512, 1024, "cuda"), keep_mask(drop, 512, 1024, "cuda"))
+
+
+@gpu
+@needs_cuda
+def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
+    # The second call of a key skips Triton's launch path (launch() calls the cached compiled kernel); a
+    # misaligned view of the same data must get its own entry and still be right.
+    torch.manual_seed(0)
+    x, weight, b, lora_A, lora_B, dy = make_inputs(520, 256, 264, 16, torch.bfloat16, device="cuda")
+    storage = torch.randn(520 * 256 + 1, device="cuda").to(torch.bfloat16)
+    x_off = storage[1:].view(520, 256)  # 2 bytes past a 16-byte boundary: no TMA, no alignment hint
+    x_off.copy_(x)
+    kconfigs._COMPILED.clear()
+    for operand in (x, x, x_off, x_off, x):
+        check_against_eager(operand, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
+    keys = list(kconfigs._COMPILED)
+    assert any(not cls[1] for key in keys for cls in key[4] if isinstance(cls[0], torch.dtype)), keys
+    n = len(keys)
+    check_against_eager(x_off, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
+    assert len(kconfigs._COMPILED) == n  # seen before: nothing new compiled or cached

@@ -42,6 +42,12 @@ def max_shared_mem(device_index: int) -> int:
     return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (cached: the launch path asks every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Per-kernel config generators and shared-memory estimates.
 # ---------------------------------------------------------------------------------------------------------
@@ -239,10 +245,53 @@ def tuned_summary() -> dict[str, list[str]]:
     }
 
 
+def _arg_class(v) -> tuple:
+    """What Triton may specialize a runtime argument on (dtype and 16-byte alignment of a tensor; an int's
+    ``== 1``, ``% 16 == 0`` and the i32/i64/u64 width its value needs), or finer: a finer key only means a
+    few more cache entries, each made by Triton's own launch path."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if isinstance(v, bool):
+        return (bool, v)
+    if isinstance(v, int):
+        return (int, v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
+    if isinstance(v, float):
+        return (float,)
+    return (type(v), v)
+
+
+# (kernel, device, autotune key, argument classes, constexprs) -> (compiled kernel, config, constexpr tail).
+# Triton's launch path re-binds and re-specializes every argument and the autotuner rebuilds its key at each
+# call: 60-100 us of host time per launch on the H200 machine's CPU, more than the small kernels run for and
+# enough to leave the GPU idle in backward. After a key's first launch we call its compiled kernel directly.
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def _launch_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
+    names = kernel.arg_names
+    sizes = tuple(args[names.index(k)] for k in spec.key)
+    device = torch.cuda.current_device()
+    return (spec.name, kernel.__name__, device, sizes, tuple(map(_arg_class, args)), tuple(consts.items()))
+
+
 def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:
     """Launch ``kernel`` with runtime ``args`` (positional, so the pruner sees them by name) and the call's
-    constexprs: the one interpreter config when interpreting, the autotuner on GPU."""
+    constexprs: the one interpreter config when interpreting, the autotuner on GPU (then, for a key seen
+    before, the compiled kernel it chose, called directly)."""
     if interpreting():
         kernel[grid](*args, **consts, **INTERP_CONFIGS[spec.name])
-    else:
-        _tuned(spec, kernel)[grid](*args, **consts)
+        return
+    key = _launch_key(spec, kernel, args, consts)
+    hit = _COMPILED.get(key)
+    if hit is None:
+        tuner = _tuned(spec, kernel)
+        compiled = tuner[grid](*args, **consts)
+        if isinstance(compiled, triton.compiler.CompiledKernel):
+            cfg = tuner.best_config
+            meta = {**consts, **cfg.kwargs}
+            tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
+            _COMPILED[key] = (compiled, meta, tail)
+        return
+    compiled, meta, tail = hit
+    g = grid(meta) if callable(grid) else grid
+    compiled[(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*args, *tail)

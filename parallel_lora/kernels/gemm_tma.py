@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._interp import dot_options, interpreting, pad_rank
-from .configs import KernelSpec, gemm_fits, gemm_tma_configs, gemm_tma_smem, launch
+from .configs import KernelSpec, gemm_fits, gemm_tma_configs, gemm_tma_smem, launch, sm_count
 from .dropout_mask import keep_tile
 
 
@@ -186,11 +186,6 @@ def _device_has_tma(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _rows_ok(t: torch.Tensor) -> bool:
     """A TMA-describable 2-D operand: unit inner stride, 16-byte aligned base and row stride."""
     elem = t.element_size()
@@ -249,7 +244,7 @@ def lora_gemm_tma(
     N_out = out.shape[1]
     R = s.shape[1]
     r_pad = pad_rank(R)
-    num_sms = 2 if interpreting() else _num_sms(x.device.index or 0)
+    num_sms = 2 if interpreting() else sm_count(x.device.index or 0)
     if not interpreting():
         ensure_allocator()
     args = (

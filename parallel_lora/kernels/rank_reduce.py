@@ -33,6 +33,7 @@ from .configs import (
     reduce_configs,
     reduce_fits,
     reduce_smem,
+    sm_count,
 )
 from .dropout_mask import keep_tile
 from .gemm_tma import ensure_allocator, tma_rows
@@ -133,7 +134,7 @@ _SPEC = KernelSpec(
 def _num_programs_target(device: torch.device) -> int:
     if interpreting():
         return 4  # small, so that test-sized problems exercise the multi-split path
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
