@@ -8,6 +8,8 @@ own tensor's dtype (fp32 master adapters get fp32 grads, a bf16 activation gets 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -21,6 +23,14 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return weight.dtype
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Disable autocast inside the op (its inputs are already in the compute dtype); a no-op context when
+    autocast is off, since entering ``torch.autocast`` costs host time at every call."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

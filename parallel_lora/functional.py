@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import eager
 from .dropout import Dropout, new_seed
-from .dtypes import canonicalize, cast_to, compute_dtype
+from .dtypes import autocast_off, canonicalize, cast_to, compute_dtype
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -74,7 +74,7 @@ class LoRALinearFunction(torch.autograd.Function):
         # but save only the shard (W is frozen, so only dA needs the full x, gathered again in backward).
         x_full = x if input_gather is None else input_gather.gather(x)
         x2d = x_full.reshape(-1, x_full.shape[-1])
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             y2d, s_lora = impl.forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.scale, ctx.dropout, ctx.backend, ctx.input_gather = scale, dropout, backend, input_gather
@@ -91,7 +91,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x_full = x if gather is None or not (needs_dA or needs_dW) else gather.gather(x)
         dy2d = dy.reshape(-1, dy.shape[-1])
         x2d = x_full.reshape(-1, x_full.shape[-1])
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             dx, dA, dB = _impl(ctx.backend).backward(
                 dy2d, x2d, weight, lora_A, lora_B, s_lora, ctx.scale, ctx.dropout,
                 needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,

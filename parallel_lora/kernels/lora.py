@@ -162,16 +162,18 @@ def backward(
     post = drop is not None and drop.position == "post"
     k_offset = drop.k_offset if pre else 0
     dx = dA = dB = None
-    if needs_dB:
-        dB = lora_rank_reduce(dy, s_lora, transpose_out=False)
+    # Launch order: the long dx GEMM goes right after the G it needs, so the GPU is busy with it while the
+    # host (autograd's device thread, slower than the main one) issues the two short reductions.
     if needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=post, **_drop_kwargs(drop))
-        if needs_dA:
-            dA = lora_rank_reduce(
-                x, g, transpose_out=True, drop_feat=pre, f_offset=k_offset, **_drop_kwargs(drop)
-            )
         if needs_dx:
             dx = lora_gemm(
                 dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop)
             )
+        if needs_dA:
+            dA = lora_rank_reduce(
+                x, g, transpose_out=True, drop_feat=pre, f_offset=k_offset, **_drop_kwargs(drop)
+            )
+    if needs_dB:
+        dB = lora_rank_reduce(dy, s_lora, transpose_out=False)
     return dx, dA, dB
