@@ -1,11 +1,13 @@
 """Small launch-time helpers shared by the kernel files: interpreter detection, dot options, seed split.
 
-Everything here is read at *launch* time (never at import), so the same module serves the GPU and the
-Triton CPU interpreter (``TRITON_INTERPRET=1``, which Triton itself reads when a ``@triton.jit`` is defined).
+The interpreter switch is read once, at the first launch (not at import): Triton itself fixes the mode of
+each ``@triton.jit`` when it is defined, so the answer cannot change afterwards, and the launch path asks
+it many times per call.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -14,9 +16,15 @@ _MASK32 = 0xFFFFFFFF
 MAX_RANK = 256
 
 
+@functools.cache
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host-side ints (``triton.cdiv`` costs a Python call chain per use)."""
+    return -(-a // b)
 
 
 def dot_options(dtype: torch.dtype) -> dict[str, object]:

@@ -249,15 +249,17 @@ def _arg_class(v) -> tuple:
     """What Triton may specialize a runtime argument on (dtype and 16-byte alignment of a tensor; an int's
     ``== 1``, ``% 16 == 0`` and the i32/i64/u64 width its value needs), or finer: a finer key only means a
     few more cache entries, each made by Triton's own launch path."""
+    t = type(v)
+    if t is int:
+        return (int, v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
+    if t is float:
+        return _FLOAT
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
-    if isinstance(v, bool):
-        return (bool, v)
-    if isinstance(v, int):
-        return (int, v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
-    if isinstance(v, float):
-        return (float,)
-    return (type(v), v)
+    return (t, v)  # bool (Triton's u1), None, ...
+
+
+_FLOAT = (float,)
 
 
 # (kernel, device, autotune key, argument classes, constexprs) -> (compiled kernel, config, constexpr tail).
@@ -267,9 +269,13 @@ def _arg_class(v) -> tuple:
 _COMPILED: dict[tuple, tuple] = {}
 
 
+@functools.cache
+def _key_positions(spec: KernelSpec, kernel) -> tuple[int, ...]:
+    return tuple(kernel.arg_names.index(k) for k in spec.key)
+
+
 def _launch_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
-    names = kernel.arg_names
-    sizes = tuple(args[names.index(k)] for k in spec.key)
+    sizes = tuple(args[i] for i in _key_positions(spec, kernel))
     device = torch.cuda.current_device()
     return (spec.name, kernel.__name__, device, sizes, tuple(map(_arg_class, args)), tuple(consts.items()))
 

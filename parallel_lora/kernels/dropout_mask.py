@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout
-from ._interp import split_seed
+from ._interp import cdiv, split_seed
 
 _FMIX_M1 = tl.constexpr(FMIX_M1)
 _FMIX_M2 = tl.constexpr(FMIX_M2)
@@ -108,7 +108,7 @@ def _draw(seed: int, p: float, rows: int, cols: int, col_offset: int, device, un
     if rows == 0 or cols == 0:
         return out
     seed_lo, seed_hi = split_seed(seed)
-    grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 32))
+    grid = (cdiv(rows, 32), cdiv(cols, 32))
     _lora_dropout_mask_kernel[grid](
         out, rows, cols, out.stride(0), out.stride(1), float(p), seed_lo, seed_hi, int(col_offset),
         WRITE_UNIFORM=uniform, BLOCK_M=32, BLOCK_C=32,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import dot_options, pad_rank, split_seed
+from ._interp import cdiv, dot_options, pad_rank, split_seed
 from .configs import KernelSpec, gemm_configs, gemm_fits, gemm_smem, launch
 from .dropout_mask import keep_tile
 from .gemm_tma import lora_gemm_tma, tma_compatible
@@ -195,7 +195,7 @@ def lora_gemm(
     }
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N_out, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),)
 
     launch(_SPEC, _lora_gemm_kernel, grid, args, consts)
     return out

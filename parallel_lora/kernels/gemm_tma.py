@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import dot_options, interpreting, pad_rank
+from ._interp import cdiv, dot_options, interpreting, pad_rank
 from .configs import KernelSpec, gemm_fits, gemm_tma_configs, gemm_tma_smem, launch, sm_count
 from .dropout_mask import keep_tile
 
@@ -264,7 +264,7 @@ def lora_gemm_tma(
     }
 
     def grid(meta):
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N_out, meta["BLOCK_N"])
+        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"])
         return (max(1, min(num_sms, tiles)),)
 
     launch(_SPEC, _lora_gemm_tma_kernel, grid, args, consts)

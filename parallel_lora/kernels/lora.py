@@ -44,8 +44,8 @@ def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tu
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         want = expected[name]
-        labels = "[" + ", ".join(label for label, _ in want) + "]"
-        if t.dim() != len(want) or any(size != n for size, (_, n) in zip(t.shape, want, strict=True)):
+        if t.shape != tuple(n for _, n in want):
+            labels = "[" + ", ".join(label for label, _ in want) + "]"
             sizes = ", ".join(f"{label}={n}" for label, n in want)
             raise ValueError(f"{name} must have shape {labels} ({sizes}), got {_shape(t)}")
         if t.dtype not in _DTYPES:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import dot_options, interpreting, pad_rank, split_seed
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
 from .configs import (
     REDUCE_M_ALIGN_GPU,
     REDUCE_M_ALIGN_INTERP,
@@ -142,11 +142,11 @@ def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
     alone would not, each chunk a multiple of ``BLOCK_M``. A function of the shape only, so repeated calls
     reduce in the same order (bitwise reproducible)."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
-    f_tiles = triton.cdiv(F, 32 if interpreting() else 128)
-    max_split = triton.cdiv(M, align)
+    f_tiles = cdiv(F, 32 if interpreting() else 128)
+    max_split = cdiv(M, align)
     split = max(1, min(max_split, _num_programs_target(device) // max(1, f_tiles)))
-    m_per_split = triton.cdiv(triton.cdiv(M, split), align) * align
-    return triton.cdiv(M, m_per_split), m_per_split
+    m_per_split = cdiv(cdiv(M, split), align) * align
+    return cdiv(M, m_per_split), m_per_split
 
 
 def lora_rank_reduce(
@@ -188,7 +188,7 @@ def lora_rank_reduce(
     consts = {"DROP_FEAT": drop_feat, "FEAT_TMA": feat_tma, "R_PAD": pad_rank(R), **dot_options(feat.dtype)}
 
     def grid(meta):
-        return (triton.cdiv(F, meta["BLOCK_F"]), split)
+        return (cdiv(F, meta["BLOCK_F"]), split)
 
     launch(_SPEC, _lora_rank_reduce_kernel, grid, args, consts)
     if split == 1:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import dot_options, pad_rank, split_seed
+from ._interp import cdiv, dot_options, pad_rank, split_seed
 from .configs import KernelSpec, launch, shrink_configs, shrink_fits, shrink_smem
 from .dropout_mask import keep_tile
 
@@ -128,7 +128,7 @@ def lora_shrink(
     consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]),)
+        return (cdiv(M, meta["BLOCK_M"]),)
 
     launch(_SPEC, _lora_shrink_kernel, grid, args, consts)
     return out
