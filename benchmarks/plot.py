@@ -1,4 +1,5 @@
-"""Plot a bench_lora.py JSON: fwd and fwd+bwd ratios to the cuBLAS base, one group of bars per shape.
+"""Plot a bench_lora.py JSON: fwd and fwd+bwd ratios to the cuBLAS base, one group of bars per shape
+(dropout 0, bf16 adapters), and print every row as the markdown table of ``docs/benchmarks.md``.
 
     python benchmarks/plot.py benchmarks/results/2026-12-02-nvidia_h200.json docs/img/benchmarks.png
 """
@@ -17,7 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def plot(json_path: str, png_path: str) -> None:
     data = json.loads(Path(json_path).read_text())
-    rows = [r for r in data["rows"] if r["impl"] != "base" and r["dropout"] == 0.0]
+    rows = [
+        r for r in data["rows"] if r["impl"] != "base" and r["dropout"] == 0.0 and r["adapter_dtype"] == "bfloat16"
+    ]
     shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0] != 8192, s[1], s[2], s[3]))
     impls = sorted({r["impl"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
@@ -43,5 +46,22 @@ def plot(json_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+def table(json_path: str) -> str:
+    """Every row: shape, adapters, dropout, impl, times, ratios and memory held, ours in bold."""
+    lines = [
+        "| M,K,N,r | adapters | dropout | impl | fwd ms | fwd+bwd ms | fwd / base | fwd+bwd / base | held MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in json.loads(Path(json_path).read_text())["rows"]:
+        impl = f"**{r['impl']}**" if r["impl"] == "parallel_lora" else r["impl"]
+        lines.append(
+            f"| {','.join(map(str, r['shape']))} | {r['adapter_dtype']} | {r['dropout']} | {impl} | "
+            f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {r['fwd_ratio']:.3f} | {r['fwdbwd_ratio']:.3f} | "
+            f"{r['held_mib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     plot(sys.argv[1], sys.argv[2])
+    print(table(sys.argv[1]))

@@ -135,7 +135,8 @@ def time_impl(name, f, x, dy, A, B, reps):
     return fwd_ms, fwdbwd_ms, held / 2**20
 
 
-def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None):
+def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None):
+    """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows."""
     rows = []
     for M, K, N, r in shapes:
         for adapter_dtype in adapter_dtypes:
@@ -165,6 +166,8 @@ def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None):
                     print_row(rows[-1])
                 del impls, x, dy
                 torch.cuda.empty_cache()
+                if save is not None:
+                    save(rows)
     return rows
 
 
@@ -196,7 +199,6 @@ def main():
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'drop':>4} {'impl':>14} "
           f"{'fwd_ms':>8} {'fwdbwd_ms':>9} {'fwd/x':>6} {'fb/x':>7} {'held_MiB':>8}")
     impl_filter = set(args.impls.split(",")) if args.impls else None
-    rows = run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter)
     import triton
 
     meta = {
@@ -209,9 +211,16 @@ def main():
         / f"{meta['date']}-{gpu.replace(' ', '_').lower()}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    os.replace(tmp, out)
+
+    def save(rows):
+        from parallel_lora.kernels.configs import tuned_summary
+
+        meta["tuned"] = tuned_summary()
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        os.replace(tmp, out)
+
+    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save)
     print(f"wrote {out}")
 
 
