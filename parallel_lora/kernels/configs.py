@@ -81,6 +81,16 @@ def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
 
 
+# Both GEMM kernels: autotune key, multiply-adds, and the rank chunk (r = 256 in one chunk would double
+# the shared-memory footprint of a 128x128 tile).
+GEMM_KEY = ("M", "N_OUT", "K_RED", "R")
+MAX_BLOCK_R = 64
+
+
+def gemm_work(n: dict) -> int:
+    return n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"])
+
+
 def gemm_fits(cfg: dict, nargs: dict) -> bool:
     return cfg["BLOCK_M"] <= max(64, _next_pow2(nargs["M"])) and cfg["BLOCK_N"] <= max(
         64, _next_pow2(nargs["N_OUT"])

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._interp import cdiv, dot_options, pad_rank, split_seed
-from .configs import KernelSpec, gemm_configs, gemm_fits, gemm_smem, launch
+from .configs import GEMM_KEY, MAX_BLOCK_R, KernelSpec, gemm_configs, gemm_fits, gemm_smem, gemm_work, launch
 from .dropout_mask import keep_tile
 from .gemm_tma import lora_gemm_tma, tma_compatible
 
@@ -137,16 +137,13 @@ def _lora_gemm_kernel(
 _SPEC = KernelSpec(
     name="gemm",
     configs=gemm_configs,
-    key=("M", "N_OUT", "K_RED", "R"),
+    key=GEMM_KEY,
     smem=gemm_smem,
-    work=lambda n: n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"]),
+    work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
 )
 
-# The rank is consumed in chunks of at most this many columns: r = 256 would otherwise double the
-# shared-memory footprint of a 128x128 tile.
-_MAX_BLOCK_R = 64
 
 
 def lora_gemm(
@@ -190,7 +187,7 @@ def lora_gemm(
     consts = {
         "HAS_BIAS": bias is not None,
         "LORA_DROP": lora_drop,
-        "BLOCK_R": min(pad_rank(R), _MAX_BLOCK_R),
+        "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
         **dot_options(x.dtype),
     }
 

@@ -35,7 +35,17 @@ import triton
 import triton.language as tl
 
 from ._interp import cdiv, dot_options, interpreting, pad_rank
-from .configs import KernelSpec, gemm_fits, gemm_tma_configs, gemm_tma_smem, launch, sm_count
+from .configs import (
+    GEMM_KEY,
+    MAX_BLOCK_R,
+    KernelSpec,
+    gemm_fits,
+    gemm_tma_configs,
+    gemm_tma_smem,
+    gemm_work,
+    launch,
+    sm_count,
+)
 from .dropout_mask import keep_tile
 
 
@@ -170,15 +180,14 @@ def _lora_gemm_tma_kernel(
 _SPEC = KernelSpec(
     name="gemm_tma",
     configs=gemm_tma_configs,
-    key=("M", "N_OUT", "K_RED", "R"),
+    key=GEMM_KEY,
     smem=gemm_tma_smem,
-    work=lambda n: n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"]),
+    work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
 )
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
-_MAX_BLOCK_R = 64
 
 
 @functools.cache
@@ -258,7 +267,7 @@ def lora_gemm_tma(
         "HAS_BIAS": bias is not None,
         "LORA_DROP": lora_drop,
         "R_PAD": r_pad,
-        "BLOCK_R": min(r_pad, _MAX_BLOCK_R),
+        "BLOCK_R": min(r_pad, MAX_BLOCK_R),
         "NUM_SMS": num_sms,
         **dot_options(x.dtype),
     }
