@@ -17,6 +17,7 @@ tuned on the H200; a later issue records shapes and gains beside any tuned const
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -277,6 +278,7 @@ _FLOAT = (float,)
 # call: 60-100 us of host time per launch on the H200 machine's CPU, more than the small kernels run for and
 # enough to leave the GPU idle in backward. After a key's first launch we call its compiled kernel directly.
 _COMPILED: dict[tuple, tuple] = {}
+_TUNING_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -300,10 +302,13 @@ def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:
     key = _launch_key(spec, kernel, args, consts)
     hit = _COMPILED.get(key)
     if hit is None:
-        tuner = _tuned(spec, kernel)
-        compiled = tuner[grid](*args, **consts)
-        if isinstance(compiled, triton.compiler.CompiledKernel):
+        # Under the lock, so that the config read back is the one this call's launch chose (autograd's
+        # device thread may launch the same kernel for another key at the same time).
+        with _TUNING_LOCK:
+            tuner = _tuned(spec, kernel)
+            compiled = tuner[grid](*args, **consts)
             cfg = tuner.best_config
+        if isinstance(compiled, triton.compiler.CompiledKernel):
             meta = {**consts, **cfg.kwargs}
             tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
             _COMPILED[key] = (compiled, meta, tail)
