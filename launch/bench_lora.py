@@ -2,6 +2,7 @@
 
     python launch/bench_lora.py                      # the DESIGN section 6 shapes
     python launch/bench_lora.py --quick              # one shape, for a smoke run
+    python launch/bench_lora.py --shapes "2048,4096,4096,16;8192,4096,4096,16"
     python launch/bench_lora.py --out results.json   # where to write the JSON (default benchmarks/results/)
 
 For each shape ``M, K, N, r`` it first validates every implementation against an fp32 reference, then
@@ -184,6 +185,7 @@ def print_row(row):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer variants")
+    parser.add_argument("--shapes", default="", help="M,K,N,r tuples separated by ';' (default: DESIGN section 6)")
     parser.add_argument("--reps", type=int, default=200, help="ms of timed repetitions per measurement")
     parser.add_argument("--impls", default="", help="comma-separated subset of implementations")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
@@ -194,6 +196,8 @@ def main():
         sys.exit("bench_lora.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")]
     dropouts = [0.0] if args.quick else [float(p) for p in args.dropouts.split(",")]
     adapter_dtypes = [torch.bfloat16] if args.quick else [getattr(torch, d) for d in args.adapter_dtypes.split(",")]
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'drop':>4} {'impl':>14} "

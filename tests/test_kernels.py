@@ -156,6 +156,20 @@ def test_multi_split_reduction_matches_eager_and_is_deterministic():
         assert torch.equal(a, c)
 
 
+def test_short_gpu_reductions_take_one_split(monkeypatch):
+    # On GPU a reduction that reads little takes one launch (no fp32 partials, no sum and cast launches after
+    # it); a long one splits M so the device fills. The split is a function of the shape alone.
+    from parallel_lora.kernels import rank_reduce
+
+    monkeypatch.setattr(rank_reduce, "interpreting", lambda: False)
+    monkeypatch.setattr(rank_reduce, "_num_programs_target", lambda device: 264)
+    assert rank_reduce.split_rows(2048, 4096, None) == (1, 2048)
+    assert rank_reduce.split_rows(1000, 4096, None) == (1, 1024)
+    for M, F in ((8192, 4096), (2048, 14336), (16384, 1024)):
+        split, rows = rank_reduce.split_rows(M, F, None)
+        assert split > 1 and rows % kconfigs.REDUCE_M_ALIGN_GPU == 0 and (split - 1) * rows < M <= split * rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_inputs_match_eager(dtype):
     M, K, N, r = 33, 40, 24, 6
@@ -465,3 +479,29 @@ def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
     n = len(keys)
     check_against_eager(x_off, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
     assert len(kconfigs._COMPILED) == n  # seen before: nothing new compiled or cached
+
+
+@gpu
+@needs_cuda
+def test_gpu_tma_workspace_is_shared_per_stream_and_right_on_two_streams():
+    # The descriptor workspace is one buffer per (device, stream); kernels on two streams at once must not
+    # share one. Both streams run the op on different data concurrently and both must match the reference.
+    from parallel_lora.kernels import gemm_tma
+
+    torch.manual_seed(0)
+    shapes = [(2048, 1024, 1024, 16), (1024, 2048, 512, 8)]
+    inputs = [make_inputs(*shape, torch.bfloat16, device="cuda") for shape in shapes]
+    refs = [reference(*i, SCALE, None)[0] for i in inputs]
+    mags = [reference(*i, SCALE, None, absolute=True)[0] for i in inputs]
+    streams = [torch.cuda.Stream() for _ in shapes]
+    outs = [None, None]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for j, (stream, i) in enumerate(zip(streams, inputs, strict=True)):
+            with torch.cuda.stream(stream):
+                outs[j] = kernels.forward(*i[:5], SCALE, None)[0]
+        torch.cuda.synchronize()
+        for out, ref, mag in zip(outs, refs, mags, strict=True):
+            assert_matches("y", out, ref, mag, torch.bfloat16, GPU_TOL[torch.bfloat16])
+    keys = {key for key in gemm_tma._SCRATCH if key[1] in {s.cuda_stream for s in streams}}
+    assert len(keys) == 2, gemm_tma._SCRATCH.keys()

@@ -217,9 +217,23 @@ def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
     return tma_rows(x) and tma_rows(w) and (out_cols * x.element_size()) % 16 == 0
 
 
+# (device, stream) -> the descriptor workspace of the kernels launched on that stream.
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Device-side descriptors live in a global workspace that Triton asks for at launch.
-    return torch.empty(size, device="cuda", dtype=torch.int8)
+    # Device-side descriptors live in a global workspace that Triton asks for at every launch. Kernels on one
+    # stream run one after another and each writes its descriptors before reading them, so one workspace per
+    # stream serves them all: a fresh ``torch.empty`` per launch cost 2-15 us of host time on the H200
+    # machine (the most on autograd's device thread), more than some of these kernels run for.
+    if stream is None:
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+    key = (torch.cuda.current_device(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size:
+        # Allocated on the current stream, which is ``stream``: the caching allocator reuses it in order.
+        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
+    return buf
 
 
 def ensure_allocator() -> None:

@@ -137,11 +137,19 @@ def _num_programs_target(device: torch.device) -> int:
     return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Below this many feat elements (32 MiB of bf16, ~13 us of reading at 2.5 TB/s) one split reads the whole
+# reduction in about the time the partials' extra sum and cast launches cost on the host (15-25 us each
+# on autograd's device thread, H200 machine): short sequences then take one launch per gradient.
+SPLIT_MIN_ELEMS = 2**24
+
+
 def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
     """``(split, m_per_split)`` for the M reduction: enough programs to fill the device when ``F / BLOCK_F``
-    alone would not, each chunk a multiple of ``BLOCK_M``. A function of the shape only, so repeated calls
-    reduce in the same order (bitwise reproducible)."""
+    alone would not (on GPU only from ``SPLIT_MIN_ELEMS`` up), each chunk a multiple of ``BLOCK_M``. A
+    function of the shape only, so repeated calls reduce in the same order (bitwise reproducible)."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
+    if not interpreting() and M * F < SPLIT_MIN_ELEMS:
+        return 1, cdiv(M, align) * align
     f_tiles = cdiv(F, 32 if interpreting() else 128)
     max_split = cdiv(M, align)
     split = max(1, min(max_split, _num_programs_target(device) // max(1, f_tiles)))
