@@ -149,10 +149,10 @@ def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
     function of the shape only, so repeated calls reduce in the same order (bitwise reproducible)."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
     if not interpreting() and M * F < SPLIT_MIN_ELEMS:
-        return 1, cdiv(M, align) * align
-    f_tiles = cdiv(F, 32 if interpreting() else 128)
-    max_split = cdiv(M, align)
-    split = max(1, min(max_split, _num_programs_target(device) // max(1, f_tiles)))
+        split = 1
+    else:
+        f_tiles = cdiv(F, 32 if interpreting() else 128)
+        split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
     m_per_split = cdiv(cdiv(M, split), align) * align
     return cdiv(M, m_per_split), m_per_split
 
