@@ -36,7 +36,7 @@ from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
 from parallel_lora.kernels import configs, gemm  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
-from parallel_lora.kernels.rank_reduce import lora_rank_reduce  # noqa: E402
+from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
@@ -91,8 +91,10 @@ def run_shape(M, K, N, r, reps):
         "gemm_dx": rel(lora_gemm(dy, W, None, G, A), dx_ref),
         "shrink_S": rel(S, s * x.float() @ A.float().t()),
         "shrink_G": rel(G, s * dy.float() @ B.float()),
-        "reduce_dB": rel(lora_rank_reduce(dy, S, transpose_out=False), dy.float().t() @ S.float()),
-        "reduce_dA": rel(lora_rank_reduce(x, G, transpose_out=True), G.float().t() @ x.float()),
+        "reduce_dB": rel(lora_adapter_grads(None, None, dy, S)[1], dy.float().t() @ S.float()),
+        "reduce_dA": rel(lora_adapter_grads(x, G, None, None)[0], G.float().t() @ x.float()),
+        "reduce_both_dA": rel(lora_adapter_grads(x, G, dy, S)[0], G.float().t() @ x.float()),
+        "reduce_both_dB": rel(lora_adapter_grads(x, G, dy, S)[1], dy.float().t() @ S.float()),
     }
     for name, err in checks.items():
         if not err < 1e-2:
@@ -112,11 +114,12 @@ def run_shape(M, K, N, r, reps):
         "shrink_S": (lambda: lora_shrink(x, A.t(), s), x.numel() * 2),
         "shrink_S_drop": (lambda: lora_shrink(x, A.t(), s, p=p, seed=1234, drop_pre=True), x.numel() * 2),
         "shrink_G": (lambda: lora_shrink(dy, B, s), dy.numel() * 2),
-        "reduce_dB": (lambda: lora_rank_reduce(dy, S, transpose_out=False), dy.numel() * 2),
-        "reduce_dA": (lambda: lora_rank_reduce(x, G, transpose_out=True), x.numel() * 2),
-        "reduce_dA_drop": (
-            lambda: lora_rank_reduce(x, G, transpose_out=True, p=p, seed=1234, drop_feat=True),
-            x.numel() * 2,
+        "reduce_dB": (lambda: lora_adapter_grads(None, None, dy, S), dy.numel() * 2),
+        "reduce_dA": (lambda: lora_adapter_grads(x, G, None, None), x.numel() * 2),
+        "reduce_both": (lambda: lora_adapter_grads(x, G, dy, S), (x.numel() + dy.numel()) * 2),
+        "reduce_both_drop": (
+            lambda: lora_adapter_grads(x, G, dy, S, p=p, seed=1234, drop_x=True),
+            (x.numel() + dy.numel()) * 2,
         ),
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),

@@ -142,11 +142,14 @@ def test_rank_256_matches_eager(dtype):
     check_against_eager(*inputs, SCALE, Dropout(p=0.2, seed=2**40 + 3, position="pre", k_offset=7))
 
 
-def test_multi_split_reduction_matches_eager_and_is_deterministic():
-    # M = 130 splits the dA / dB reductions over M into several fp32 partials in the interpreter.
+def test_multi_split_reduction_matches_eager_is_deterministic_and_resets_its_counters():
+    # M = 130 splits the dA / dB reduction over M into several fp32 partials in the interpreter; the last
+    # program of each tile sums them. A counter left non-zero would make the next launch store nothing.
+    from parallel_lora.kernels import rank_reduce
+
     x, weight, b, lora_A, lora_B, dy = make_inputs(130, 40, 40, 8, torch.float32)
     if INTERPRETING:
-        assert split_rows(130, 40, x.device)[0] > 1, "the shape no longer exercises the multi-split path"
+        assert split_rows(130, 80, x.device)[0] > 1, "the shape no longer exercises the multi-split path"
     drop = Dropout(p=0.3, seed=9, position="pre", k_offset=3)
     check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
@@ -154,20 +157,76 @@ def test_multi_split_reduction_matches_eager_and_is_deterministic():
     second = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
+    assert rank_reduce._WORKSPACE, "the multi-split path did not use the shared workspace"
+    for _, count in rank_reduce._WORKSPACE.values():
+        assert not count.any(), "arrival counters were left non-zero"
 
 
-def test_short_gpu_reductions_take_one_split(monkeypatch):
-    # On GPU a reduction that reads little takes one launch (no fp32 partials, no sum and cast launches after
-    # it); a long one splits M so the device fills. The split is a function of the shape alone.
+@pytest.mark.parametrize("wanted", ["dA", "dB"])
+@pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
+def test_one_adapter_gradient_alone_matches_eager(M, wanted):
+    # The fused launch with the other gradient's columns empty (a frozen lora_A or lora_B).
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 24, 8, torch.float32)
+    drop = Dropout(p=0.3, seed=5, position="pre", k_offset=2)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+    outs = kernels.backward(
+        dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, needs_dx=False,
+        needs_dA=wanted == "dA", needs_dB=wanted == "dB",
+    )  # fmt: skip
+    ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
+    mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
+    i = ("dx", "dA", "dB").index(wanted)
+    assert all(t is None for j, t in enumerate(outs) if j != i)
+    assert_matches(wanted, outs[i], ref[2 + i], mag[2 + i], torch.float32)
+
+
+def _count_launches(monkeypatch) -> list[str]:
+    """Record the kernel of every launch the LoRA kernels make."""
+    from parallel_lora.kernels import configs
+
+    launched = []
+    real = configs.launch
+
+    def spy(spec, kernel, grid, args, consts):
+        launched.append(spec.name)
+        return real(spec, kernel, grid, args, consts)
+
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
+        monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", spy)
+    return launched
+
+
+@pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
+def test_backward_is_at_most_three_launches_and_nothing_else(monkeypatch, M):
+    # G, the dx GEMM, and both adapter gradients in one launch; no torch sum or cast of partials after it.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 40, 8, torch.float32)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
+    launched = _count_launches(monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: pytest.fail("a torch sum ran in backward"))
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, DROPOUTS["pre"])
+    assert launched == ["shrink", "gemm", "reduce"]
+    launched.clear()
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False)
+    assert launched == ["shrink", "reduce"]
+    launched.clear()
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False, needs_dA=False)
+    assert launched == ["reduce"]
+
+
+def test_split_on_gpu_is_a_function_of_the_shape_and_fills_the_device(monkeypatch):
+    # On GPU the M reduction splits until the adapter gradients' column tiles (128 wide) times the splits
+    # reach the program target; each split is a whole number of the largest BLOCK_M and the splits cover M.
     from parallel_lora.kernels import rank_reduce
 
     monkeypatch.setattr(rank_reduce, "interpreting", lambda: False)
     monkeypatch.setattr(rank_reduce, "_num_programs_target", lambda device: 264)
-    assert rank_reduce.split_rows(2048, 4096, None) == (1, 2048)
-    assert rank_reduce.split_rows(1000, 4096, None) == (1, 1024)
-    for M, F in ((8192, 4096), (2048, 14336), (16384, 1024)):
+    assert rank_reduce.split_rows(2048, 8192, None) == (4, 512)
+    assert rank_reduce.split_rows(100, 8192, None) == (1, 128)
+    assert rank_reduce.split_rows(8192, 4096 + 14336, None) == (1, 8192)  # 144 tiles already fill it
+    for M, F in ((8192, 8192), (2048, 4096), (16384, 2048), (1000, 1024)):
         split, rows = rank_reduce.split_rows(M, F, None)
         assert split > 1 and rows % kconfigs.REDUCE_M_ALIGN_GPU == 0 and (split - 1) * rows < M <= split * rows
+        assert split * (F // 128) <= 264
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -354,7 +413,7 @@ _SPECS = {
     "gemm": ("parallel_lora.kernels.gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
     "gemm_tma": ("parallel_lora.kernels.gemm_tma", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
     "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
-    "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F": 4096}),
+    "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F_A": 4096, "F_B": 4096}),
 }
 
 
@@ -505,3 +564,37 @@ def test_gpu_tma_workspace_is_shared_per_stream_and_right_on_two_streams():
             assert_matches("y", out, ref, mag, torch.bfloat16, GPU_TOL[torch.bfloat16])
     keys = {key for key in gemm_tma._SCRATCH if key[1] in {s.cuda_stream for s in streams}}
     assert len(keys) == 2, gemm_tma._SCRATCH.keys()
+
+
+@gpu
+@needs_cuda
+def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_streams():
+    # Dozens of splits per column tile: the last program to arrive sums every partial. Reading one before it
+    # landed, or a counter another stream bumped, would show as a wrong or a run-to-run different result.
+    from parallel_lora.kernels import rank_reduce
+
+    torch.manual_seed(0)
+    shapes = [(65536, 256, 256, 16), (8192, 1024, 512, 8)]
+    for M, K, N, _ in shapes:
+        assert rank_reduce.split_rows(M, K + N, torch.device("cuda"))[0] >= 16
+    inputs = [make_inputs(*shape, torch.bfloat16, device="cuda") for shape in shapes]
+    s_loras = [kernels.forward(*i[:5], SCALE, None)[1] for i in inputs]
+    refs = [reference(*i, SCALE, None) for i in inputs]
+    mags = [reference(*i, SCALE, None, absolute=True) for i in inputs]
+    streams = [torch.cuda.Stream() for _ in shapes]
+    runs = []
+    torch.cuda.synchronize()
+    for _ in range(5):
+        outs = [None, None]
+        for j, (stream, (x, weight, _, lora_A, lora_B, dy)) in enumerate(zip(streams, inputs, strict=True)):
+            with torch.cuda.stream(stream):
+                outs[j] = kernels.backward(dy, x, weight, lora_A, lora_B, s_loras[j], SCALE, None)[1:]
+        torch.cuda.synchronize()
+        runs.append(outs)
+    for j in range(len(shapes)):
+        for name, out, ref, mag in zip(("dA", "dB"), runs[0][j], refs[j][3:], mags[j][3:], strict=True):
+            assert_matches(name, out, ref, mag, torch.bfloat16, GPU_TOL[torch.bfloat16])
+        for later in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(runs[0][j], later[j], strict=True))
+    for _, count in rank_reduce._WORKSPACE.values():
+        assert not count.any(), "arrival counters were left non-zero"

@@ -149,8 +149,8 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
 
 
 def reduce_configs() -> list[triton.Config]:
-    """Rank-r reduction over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps). Bandwidth-bound
-    like the shrink: the split over M (``rank_reduce.split_rows``) supplies the programs."""
+    """Adapter gradients, reductions over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps).
+    Bandwidth-bound like the shrink: the split over M (``rank_reduce.split_rows``) supplies the programs."""
     rows = [
         (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
         (64, 64, 4, 4),
@@ -169,7 +169,7 @@ def reduce_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 
 
 def reduce_fits(cfg: dict, nargs: dict) -> bool:
-    return cfg["BLOCK_F"] <= max(64, _next_pow2(nargs["F"]))
+    return cfg["BLOCK_F"] <= max(64, _next_pow2(max(nargs["F_A"], nargs["F_B"])))
 
 
 # The largest BLOCK_M in ``reduce_configs`` (GPU) / the interpreter's BLOCK_M: a split of the M reduction

@@ -8,8 +8,7 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
     backward  dy [M, N] (+ x, W, A, B, S)  ->  dx [M, K], dA [r, K], dB [N, r]   (no dW: W is frozen)
               G  = s * drop_post(dy B)                     shrink kernel
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
-              dA = G^T drop_pre(x)                         reduction over M (deterministic)
-              dB = dy^T S                                  reduction over M (deterministic)
+              dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
@@ -25,7 +24,7 @@ import torch
 from ..dropout import Dropout
 from ._interp import MAX_RANK, interpreting
 from .gemm import lora_gemm
-from .rank_reduce import lora_rank_reduce
+from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -162,18 +161,17 @@ def backward(
     post = drop is not None and drop.position == "post"
     k_offset = drop.k_offset if pre else 0
     dx = dA = dB = None
-    # Launch order: the long dx GEMM goes right after the G it needs, so the GPU is busy with it while the
-    # host (autograd's device thread, slower than the main one) issues the two short reductions.
+    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
+    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
+    g = None
     if needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=post, **_drop_kwargs(drop))
-        if needs_dx:
-            dx = lora_gemm(
-                dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop)
-            )
-        if needs_dA:
-            dA = lora_rank_reduce(
-                x, g, transpose_out=True, drop_feat=pre, f_offset=k_offset, **_drop_kwargs(drop)
-            )
-    if needs_dB:
-        dB = lora_rank_reduce(dy, s_lora, transpose_out=False)
+    if needs_dx:
+        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop))
+    if needs_dA or needs_dB:
+        dA, dB = lora_adapter_grads(
+            x if needs_dA else None, g if needs_dA else None,
+            dy if needs_dB else None, s_lora if needs_dB else None,
+            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop),
+        )  # fmt: skip
     return dx, dA, dB

@@ -1,20 +1,24 @@
-"""Adapter gradients as deterministic reductions over M:
+"""Both adapter gradients in one launch, as deterministic reductions over M:
 
     out[F, r] = c * drop(feat)^T @ g        feat [M, F], g [M, r]
 
     dA = G^T drop_pre(x)   [r, K]:   feat = x  [M, K], g = G [M, r], c = 1/(1-p) under "pre" (mask on x)
     dB = dy^T S            [N, r]:   feat = dy [M, N], g = S [M, r], c = 1
 
-(dA is written through transposed output strides, so both land in their natural layout.) A program owns
-``BLOCK_F`` feature columns and the whole padded rank, ``acc [R_PAD, BLOCK_F]`` (fp32), and walks one
-contiguous chunk of ``m_per_split`` rows in ``BLOCK_M`` steps, ``acc += g_tile^T @ feat_tile``: the big
-operand stays in its row-major layout, through a TMA descriptor where its rows allow (16-bit, Hopper), else
-through pointers. With one split it stores the result; with several, each split stores an fp32 partial
-``[split, F, r]`` and the launcher sums them in a fixed order: deterministic, no atomics. The split count
-depends only on the shape (never on the tuned config), and every split length is a multiple of every
-config's ``BLOCK_M``.
+(dA is written through transposed output strides, so both land in their natural layout.) The grid's first
+axis covers the ``BLOCK_F`` column tiles of x, then those of dy; a program owns one tile and the whole padded
+rank, ``acc [R_PAD, BLOCK_F]`` (fp32), and walks one contiguous chunk of ``m_per_split`` rows in ``BLOCK_M``
+steps, ``acc += g_tile^T @ feat_tile``: the big operand stays in its row-major layout, through a TMA
+descriptor where its rows allow (16-bit, Hopper), else through pointers.
 
-This form runs at about 2.5 TB/s on the H200 at M, F = 8192, 4096 (3.3 TB/s at F = 14336) against
+With one split a program stores its tile. With several, each stores an fp32 partial and bumps its tile's
+arrival counter; the last to arrive sums the partials in split order (a fixed order: bitwise reproducible, no
+atomics on the data), stores the tile and resets the counter for the next launch. So the whole reduction is
+one launch at any M; the host issues no sum and no cast (each cost 15-25 us of host time on autograd's device
+thread on the H200 machine, more than the reduction itself at short M). The split count depends only on the
+shape (never on the tuned config), and every split length is a multiple of every config's ``BLOCK_M``.
+
+The reduction form runs at about 2.5 TB/s on the H200 at M, F = 8192, 4096 (3.3 TB/s at F = 14336) against
 1.3 TB/s for the earlier ``feat^T [F, M] @ g`` form (``benchmarks/probe_gemm.py``).
 """
 
@@ -39,63 +43,30 @@ from .dropout_mask import keep_tile
 from .gemm_tma import ensure_allocator, tma_rows
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "f_offset"])
-def _lora_rank_reduce_kernel(
-    # pointers
-    feat_ptr,  # [M, F]  (x, or dy)
-    g_ptr,  # [M, R]     (G, or S)
-    out_ptr,  # [split, F, R] through strides
-    # sizes
-    M,
-    F,
-    R,
-    m_per_split,
-    # strides
-    stride_fm,
-    stride_ff,
-    stride_gm,
-    stride_gr,
-    stride_os,
-    stride_of,
-    stride_or,
-    # runtime scalars (changing them never recompiles)
-    out_scale,
-    p,
-    seed_lo,
-    seed_hi,
-    f_offset,  # global column of feat's first column (the shard's k_offset), for the "pre" mask
-    # compile-time
-    DROP_FEAT: tl.constexpr,
-    FEAT_TMA: tl.constexpr,
-    R_PAD: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    pid_f = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+@triton.jit
+def _reduce_tile(
+    feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
+    p, seed_lo, seed_hi, f_offset,
+    DROP_FEAT: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile."""
+    offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     offs_mb = tl.arange(0, BLOCK_M)
     f_in = offs_f < F
     r_in = offs_r < R
-    m_start = pid_s * m_per_split
-    m_end = tl.minimum(m_start + m_per_split, M)
     if FEAT_TMA:
         # Rows past M come back as zeros; a split ends on a BLOCK_M boundary, so no tile crosses into the
         # next split.
         feat_desc = tl.make_tensor_descriptor(feat_ptr, [M, F], [stride_fm, 1], [BLOCK_M, BLOCK_F])
-
-    # acc^T [R_PAD, BLOCK_F] = g^T [R_PAD, BLOCK_M] @ feat [BLOCK_M, BLOCK_F]: the big operand is read in
-    # its natural row-major layout (the transposed [F, M] form ran at half the bandwidth).
     acc = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
     for m0 in tl.range(m_start, m_end, BLOCK_M):
         offs_m = m0 + offs_mb
         m_in = offs_m < m_end
         rows64 = offs_m.to(tl.int64)  # M * stride can pass 2**31
         if FEAT_TMA:
-            ft = feat_desc.load([m0, pid_f * BLOCK_F])
+            ft = feat_desc.load([m0, tile_f * BLOCK_F])
         else:
             ft = tl.load(
                 feat_ptr + rows64[:, None] * stride_fm + offs_f[None, :] * stride_ff,
@@ -114,91 +85,182 @@ def _lora_rank_reduce_kernel(
             ft = ft.to(tl.float32)
             gt = gt.to(tl.float32)
         acc = tl.dot(gt, ft, acc, input_precision=DOT_PRECISION)
-    acc = acc * out_scale
+    return acc
 
-    out_ptrs = out_ptr + pid_s * stride_os + offs_r[:, None] * stride_or + offs_f[None, :] * stride_of
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_in[:, None] & f_in[None, :])
+
+@triton.jit
+def _finish_tile(
+    acc, out_ptr, ws_ptr, count_ptr, tile, ws_col0, F, R, tile_f, pid_s, num_splits, stride_of, stride_or,
+    stride_ws, out_scale, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    """Store ``out_scale * sum over splits`` of this tile: directly with one split, else through the fp32
+    partials ``ws [split, F_A + F_B, R_PAD]`` (columns from ``ws_col0``) and the tile's arrival counter."""
+    offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_r = tl.arange(0, R_PAD)
+    mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    out_ptrs = out_ptr + offs_r[:, None] * stride_or + offs_f[None, :] * stride_of
+    if num_splits == 1:
+        tl.store(out_ptrs, (acc * out_scale).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (ws_col0 + offs_f[None, :]) * R_PAD + offs_r[:, None]
+        tl.store(ws_ptr + pid_s * stride_ws + part, acc, mask=mask)
+        # Every thread's partial is written before one thread's release-ordered arrival; the last arrival's
+        # acquire orders the reads below after everyone's writes (.cg: read at L2, where they landed).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            total = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
+            for s in range(0, num_splits):
+                total += tl.load(ws_ptr + s * stride_ws + part, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * out_scale).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "f_offset"])
+def _lora_adapter_grads_kernel(
+    # pointers: problem a (dA: x, G) and problem b (dB: dy, S), the partials and the arrival counters
+    fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+    # sizes (F_A = 0 or F_B = 0 skips that gradient)
+    M, F_A, F_B, R, m_per_split, num_splits,
+    # strides
+    stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    # runtime scalars (changing them never recompiles)
+    scale_a, p, seed_lo, seed_hi, f_offset,
+    # compile-time
+    DROP_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m_start = pid_s * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, M)
+    tiles_a = tl.cdiv(F_A, BLOCK_F)
+    if tile < tiles_a:
+        acc = _reduce_tile(
+            fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
+            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+        )  # fmt: skip
+        _finish_tile(
+            acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
+            stride_ws, scale_a, R_PAD, BLOCK_F,
+        )  # fmt: skip
+    else:
+        tile_b = tile - tiles_a
+        acc = _reduce_tile(
+            fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
+            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+        )  # fmt: skip
+        _finish_tile(
+            acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
+            stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
+        )  # fmt: skip
 
 
 _SPEC = KernelSpec(
     name="reduce",
     configs=reduce_configs,
-    key=("M", "F", "R"),
+    key=("M", "F_A", "F_B", "R"),
     smem=reduce_smem,
-    work=lambda n: n["M"] * n["F"] * n["R"],
+    work=lambda n: n["M"] * (n["F_A"] + n["F_B"]) * n["R"],
     fits=reduce_fits,
-    dtype_arg="feat_ptr",
+    dtype_arg="fa_ptr",
 )
 
 
 def _num_programs_target(device: torch.device) -> int:
     if interpreting():
-        return 4  # small, so that test-sized problems exercise the multi-split path
+        return 8  # small, so that test-sized problems exercise the multi-split path
     return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Below this many feat elements (32 MiB of bf16, ~13 us of reading at 2.5 TB/s) one split reads the whole
-# reduction in about the time the partials' extra sum and cast launches cost on the host (15-25 us each
-# on autograd's device thread, H200 machine): short sequences then take one launch per gradient.
-SPLIT_MIN_ELEMS = 2**24
-
-
 def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
-    """``(split, m_per_split)`` for the M reduction: enough programs to fill the device when ``F / BLOCK_F``
-    alone would not (on GPU only from ``SPLIT_MIN_ELEMS`` up), each chunk a multiple of ``BLOCK_M``. A
-    function of the shape only, so repeated calls reduce in the same order (bitwise reproducible)."""
+    """``(split, m_per_split)`` for the M reduction over ``F`` feature columns in all: enough programs to fill
+    the device when ``F / BLOCK_F`` alone would not, each chunk a multiple of ``BLOCK_M``. A function of the
+    shape only, so repeated calls reduce in the same order (bitwise reproducible)."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
-    if not interpreting() and M * F < SPLIT_MIN_ELEMS:
-        split = 1
-    else:
-        f_tiles = cdiv(F, 32 if interpreting() else 128)
-        split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
+    f_tiles = cdiv(F, 32 if interpreting() else 128)
+    split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
     m_per_split = cdiv(cdiv(M, split), align) * align
     return cdiv(M, m_per_split), m_per_split
 
 
-def lora_rank_reduce(
-    feat: torch.Tensor,
-    g: torch.Tensor,
+# (device, stream) -> (fp32 partials, int32 arrival counters), shared by the launches on that stream: they
+# run one after another, and each leaves its counters at zero. Grown, never shrunk.
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    ws, count = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < partials:
+        ws = torch.empty(max(partials, 1 << 14), device=device, dtype=torch.float32)
+    if count is None or count.numel() < counters:
+        count = torch.zeros(max(counters, 1 << 10), device=device, dtype=torch.int32)
+    _WORKSPACE[key] = (ws, count)
+    return ws, count
+
+
+def lora_adapter_grads(
+    x: torch.Tensor | None,
+    g: torch.Tensor | None,
+    dy: torch.Tensor | None,
+    s_lora: torch.Tensor | None,
     *,
-    transpose_out: bool,
     p: float = 0.0,
     seed: int = 0,
     f_offset: int = 0,
-    drop_feat: bool = False,
-) -> torch.Tensor:
-    """``c * drop(feat [M, F])^T @ g [M, r]`` as ``[F, r]``, or ``[r, F]`` when ``transpose_out``, in
-    ``feat.dtype``; ``c = 1/(1-p)`` with ``drop_feat`` (the "pre" mask of ``feat``'s columns shifted by
-    ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked by the caller."""
-    M, F = feat.shape
-    R = g.shape[1]
-    shape = (R, F) if transpose_out else (F, R)
-    if M == 0 or F == 0:
-        return torch.zeros(shape, device=feat.device, dtype=feat.dtype)
-    split, m_per_split = split_rows(M, F, feat.device)
-    if split == 1:
-        out = torch.empty(shape, device=feat.device, dtype=feat.dtype)
-        ws = out.unsqueeze(0)
+    drop_x: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
+    from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in the operands' (one) dtype. Pass ``None`` for
+    both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with ``drop_x`` (the "pre"
+    mask of x's columns shifted by ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked
+    by the caller."""
+    want_a, want_b = x is not None, dy is not None
+    # A gradient not wanted gets zero columns and borrows the other's tensors (its programs never run).
+    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
+    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    M, R = g_a.shape
+    F_A = feat_a.shape[1] if want_a else 0
+    F_B = feat_b.shape[1] if want_b else 0
+    dev, dtype = feat_a.device, feat_a.dtype
+    dA = torch.empty((R, F_A), device=dev, dtype=dtype) if want_a else None
+    dB = torch.empty((F_B, R), device=dev, dtype=dtype) if want_b else None
+    if M == 0 or F_A + F_B == 0:
+        return tuple(None if t is None else t.zero_() for t in (dA, dB))
+    out_a = dA if want_a else dB
+    out_b = dB if want_b else dA
+    split, m_per_split = split_rows(M, F_A + F_B, dev)
+    r_pad = pad_rank(R)
+    if split > 1:
+        ws, count = _workspace(dev, split * (F_A + F_B) * r_pad, F_A + F_B)
     else:
-        ws = torch.empty((split, *shape), device=feat.device, dtype=torch.float32)
-    # Strides of the output seen as [split, F, R].
-    stride_of, stride_or = (ws.stride(2), ws.stride(1)) if transpose_out else (ws.stride(1), ws.stride(2))
+        ws, count = out_a, out_a  # never touched with one split
     seed_lo, seed_hi = split_seed(seed)
-    c = 1.0 / (1.0 - p) if drop_feat else 1.0
     args = (
-        feat, g, ws, M, F, R, m_per_split,
-        feat.stride(0), feat.stride(1), g.stride(0), g.stride(1), ws.stride(0), stride_of, stride_or,
-        float(c), float(p), seed_lo, seed_hi, int(f_offset),
+        feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count,
+        M, F_A, F_B, R, m_per_split, split,
+        feat_a.stride(0), feat_a.stride(1), g_a.stride(0), g_a.stride(1), out_a.stride(1), out_a.stride(0),
+        feat_b.stride(0), feat_b.stride(1), g_b.stride(0), g_b.stride(1), out_b.stride(0), out_b.stride(1),
+        (F_A + F_B) * r_pad,
+        1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset),
     )  # fmt: skip
-    feat_tma = tma_rows(feat)
-    if feat_tma and not interpreting():
+    a_tma = want_a and tma_rows(feat_a)
+    b_tma = want_b and tma_rows(feat_b)
+    if (a_tma or b_tma) and not interpreting():
         ensure_allocator()
-    consts = {"DROP_FEAT": drop_feat, "FEAT_TMA": feat_tma, "R_PAD": pad_rank(R), **dot_options(feat.dtype)}
+    consts = {
+        "DROP_A": drop_x and want_a,
+        "A_TMA": a_tma,
+        "B_TMA": b_tma,
+        "R_PAD": r_pad,
+        **dot_options(dtype),
+    }
 
     def grid(meta):
-        return (cdiv(F, meta["BLOCK_F"]), split)
+        return (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split)
 
-    launch(_SPEC, _lora_rank_reduce_kernel, grid, args, consts)
-    if split == 1:
-        return out
-    return ws.sum(0).to(feat.dtype)
+    launch(_SPEC, _lora_adapter_grads_kernel, grid, args, consts)
+    return dA, dB
