@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +50,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _impl(backend: str) -> ModuleType:
+def _impl(backend: str) -> tuple[Callable, Callable]:
+    """``(forward, backward)`` of a backend. The fused backward skips the kernels' argument checks: its
+    operands are what the checked forward saved, and autograd hands it ``dy`` of the output's shape and
+    dtype."""
     if backend == "triton":
         from . import kernels
 
-        return kernels
-    return eager
+        return kernels.forward, kernels.backward_unchecked
+    return eager.forward, eager.backward
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -69,13 +72,13 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_gather=None):
-        impl = _impl(backend)
+        forward = _impl(backend)[0]
         # Sequence parallel: x is this rank's sequence shard; gather it once for base and LoRA together,
         # but save only the shard (W is frozen, so only dA needs the full x, gathered again in backward).
         x_full = x if input_gather is None else input_gather.gather(x)
         x2d = x_full.reshape(-1, x_full.shape[-1])
         with autocast_off(x.device.type):
-            y2d, s_lora = impl.forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
+            y2d, s_lora = forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.scale, ctx.dropout, ctx.backend, ctx.input_gather = scale, dropout, backend, input_gather
         ctx.has_bias = bias is not None
@@ -92,7 +95,7 @@ class LoRALinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         x2d = x_full.reshape(-1, x_full.shape[-1])
         with autocast_off(x.device.type):
-            dx, dA, dB = _impl(ctx.backend).backward(
+            dx, dA, dB = _impl(ctx.backend)[1](
                 dy2d, x2d, weight, lora_A, lora_B, s_lora, ctx.scale, ctx.dropout,
                 needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
             )

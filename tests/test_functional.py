@@ -252,16 +252,17 @@ def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):
 
 
 def record_calls(monkeypatch, module) -> dict[str, set[torch.dtype]]:
-    """Wrap ``module.forward``/``module.backward``; record the dtypes of every tensor argument."""
+    """Wrap the forward and backward the autograd Function calls in ``module`` (the fused backward is
+    ``backward_unchecked``); record the dtypes of every tensor argument."""
     seen: dict[str, set[torch.dtype]] = {}
-    for phase in ("forward", "backward"):
-        real = getattr(module, phase)
+    for phase, name in (("forward", "forward"), ("backward", "backward_unchecked")):
+        real = getattr(module, name)
 
         def wrapper(*args, _real=real, _phase=phase, **kw):
             seen.setdefault(_phase, set()).update(a.dtype for a in args if isinstance(a, torch.Tensor))
             return _real(*args, **kw)
 
-        monkeypatch.setattr(module, phase, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
     return seen
 
 

@@ -1,11 +1,12 @@
 """Fused Triton kernels for the LoRA op (one device / one TP shard; no DTensor, no autograd here).
 
-``forward`` / ``backward`` mirror ``parallel_lora.eager`` (the oracle); ``dropout_keep_mask`` materializes
+``forward`` / ``backward`` mirror ``parallel_lora.eager`` (the oracle; ``backward_unchecked`` is ``backward``
+without its argument checks, for the autograd Function); ``dropout_keep_mask`` materializes
 the keep-mask the kernels regenerate from the seed, for tests. The kernels also run in Triton's CPU
 interpreter when ``TRITON_INTERPRET=1`` is set before this package is imported.
 """
 
 from .dropout_mask import dropout_keep_mask
-from .lora import backward, forward
+from .lora import backward, backward_unchecked, forward
 
-__all__ = ["backward", "dropout_keep_mask", "forward"]
+__all__ = ["backward", "backward_unchecked", "dropout_keep_mask", "forward"]

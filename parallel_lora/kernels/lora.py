@@ -156,6 +156,25 @@ def backward(
             "s_lora": (("M", M), ("r", r)),
         },
     )
+    return backward_unchecked(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx, needs_dA, needs_dB)
+
+
+def backward_unchecked(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+    needs_dx: bool = True,
+    needs_dA: bool = True,
+    needs_dB: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``backward`` without its argument checks, for the autograd Function: its operands are the tensors the
+    checked ``forward`` saved, and autograd hands it ``dy`` in the output's shape, dtype and device. The
+    checks cost about as much host time as one kernel launch (they run on autograd's device thread)."""
     drop = _active(dropout)
     pre = drop is not None and drop.position == "pre"
     post = drop is not None and drop.position == "post"
