@@ -451,6 +451,26 @@ def test_small_problems_take_one_config_and_large_ones_autotune(kernel):
     assert len(kconfigs.prune(spec, spec.configs(), large, smem_limit=232_448, **consts)) > 1
 
 
+def test_launch_sizes_bucket_the_token_count_and_keep_the_layer_sizes():
+    # Autotuned configs and compiled kernels are shared by the Ms of one power-of-two bucket; K, N and r are
+    # a layer's own and stay exact.
+    from parallel_lora.kernels import shrink
+
+    spec, kernel = shrink._SPEC, shrink._lora_shrink_kernel
+
+    def sizes(M, K, R):
+        args = [0] * len(kernel.arg_names)
+        for name, v in (("M", M), ("K", K), ("R", R)):
+            args[kernel.arg_names.index(name)] = v
+        return kconfigs.bucketed_sizes(spec, kernel, tuple(args))
+
+    assert sizes(3000, 4096, 16) == sizes(2049, 4096, 16) == sizes(4096, 4096, 16) == (4096, 4096, 16)
+    assert sizes(4097, 4096, 16) == (8192, 4096, 16)
+    assert sizes(3000, 4095, 16) != sizes(3000, 4096, 16) and sizes(3000, 4096, 8) != sizes(3000, 4096, 16)
+    with pytest.raises(ValueError, match="start with the token count M"):
+        kconfigs.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
+
+
 def test_launch_cache_key_separates_what_triton_specializes_on():
     # A cached compiled kernel is reused only for arguments Triton would have compiled it for: tensors of
     # one dtype and 16-byte alignment, ints of one width with the same "== 1" / "% 16 == 0" properties.
@@ -598,3 +618,34 @@ def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_st
             assert all(torch.equal(a, b) for a, b in zip(runs[0][j], later[j], strict=True))
     for _, count in rank_reduce._WORKSPACE.values():
         assert not count.any(), "arrival counters were left non-zero"
+
+
+@gpu
+@needs_cuda
+def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(monkeypatch):
+    # Variable-length batches: after the first M of a power-of-two bucket has tuned, other Ms of the bucket
+    # launch with its configs (compiling at most a new specialization), never through the autotuner again.
+    from triton.runtime.autotuner import Autotuner
+
+    tuner_calls = []
+    real_run = Autotuner.run
+
+    def spy(self, *args, **kwargs):
+        tuner_calls.append(self.fn.__name__)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", spy)
+    torch.manual_seed(0)
+    K, N, r = 1024, 768, 16
+    drop = Dropout(p=0.1, seed=3, position="pre")
+    check_against_eager(*make_inputs(3000, K, N, r, torch.bfloat16, device="cuda"), SCALE, drop,
+                        tol=GPU_TOL[torch.bfloat16])  # fmt: skip
+    assert tuner_calls, "the first M of the bucket did not go through the autotuner"
+    tuner_calls.clear()
+    for M in (3001, 2049, 4096, 3000):
+        inputs = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
+        check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
+    assert tuner_calls == []
+    check_against_eager(*make_inputs(4097, K, N, r, torch.bfloat16, device="cuda"), SCALE, drop,
+                        tol=GPU_TOL[torch.bfloat16])  # fmt: skip
+    assert tuner_calls, "a new bucket must tune"

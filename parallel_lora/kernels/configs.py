@@ -199,11 +199,15 @@ class KernelSpec:
 
     name: str
     configs: Callable[[], list[triton.Config]]
-    key: Sequence[str]
+    key: Sequence[str]  # autotune key, the token count "M" first
     smem: Callable[[dict, int, int, dict], int]  # (config kwargs, stages, elem size, sizes + constexprs)
     fits: Callable[[dict, dict], bool]
     work: Callable[[dict], int]  # multiply-adds of the launch, from its size arguments
     dtype_arg: str  # a tensor argument whose element size and device stand for all operands
+
+    def __post_init__(self):
+        if self.key[0] != "M":
+            raise ValueError(f"{self.name}: the autotune key must start with the token count M, got {self.key}")
 
 
 def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None, **consts):
@@ -273,11 +277,14 @@ def _arg_class(v) -> tuple:
 _FLOAT = (float,)
 
 
-# (kernel, device, autotune key, argument classes, constexprs) -> (compiled kernel, config, constexpr tail).
+# (kernel, device, bucketed sizes, argument classes, constexprs) -> (compiled kernel, config, constexpr tail).
 # Triton's launch path re-binds and re-specializes every argument and the autotuner rebuilds its key at each
 # call: 60-100 us of host time per launch on the H200 machine's CPU, more than the small kernels run for and
 # enough to leave the GPU idle in backward. After a key's first launch we call its compiled kernel directly.
 _COMPILED: dict[tuple, tuple] = {}
+# (kernel, device, bucketed sizes, tensor dtypes, constexprs) -> the config the autotuner chose for the
+# first token count M of that bucket.
+_BEST: dict[tuple, triton.Config] = {}
 _TUNING_LOCK = threading.Lock()
 
 
@@ -286,28 +293,46 @@ def _key_positions(spec: KernelSpec, kernel) -> tuple[int, ...]:
     return tuple(kernel.arg_names.index(k) for k in spec.key)
 
 
+def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
+    """The key sizes of a launch with the token count ``M`` (always first) rounded up to a power of two:
+    variable-length batches would otherwise retune at every new length (a compile and a timing of every
+    candidate config, seconds each). The other sizes are a layer's own and stay exact."""
+    m, *rest = (args[i] for i in _key_positions(spec, kernel))
+    return (_next_pow2(m), *rest)
+
+
 def _launch_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
-    sizes = tuple(args[i] for i in _key_positions(spec, kernel))
+    # The grid is recomputed from the live sizes at every launch, so the compiled kernel depends on the sizes
+    # only through their argument classes (M's "== 1" and "% 16 == 0"): bucketed sizes suffice here.
     device = torch.cuda.current_device()
-    return (spec.name, kernel.__name__, device, sizes, tuple(map(_arg_class, args)), tuple(consts.items()))
+    return (
+        spec.name, kernel.__name__, device, bucketed_sizes(spec, kernel, args), tuple(map(_arg_class, args)),
+        tuple(consts.items()),
+    )  # fmt: skip
 
 
 def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:
     """Launch ``kernel`` with runtime ``args`` (positional, so the pruner sees them by name) and the call's
-    constexprs: the one interpreter config when interpreting, the autotuner on GPU (then, for a key seen
-    before, the compiled kernel it chose, called directly)."""
+    constexprs: the one interpreter config when interpreting, on GPU the config autotuned for the first
+    launch of its size bucket (``bucketed_sizes``), then the compiled kernel, called directly."""
     if interpreting():
         kernel[grid](*args, **consts, **INTERP_CONFIGS[spec.name])
         return
     key = _launch_key(spec, kernel, args, consts)
     hit = _COMPILED.get(key)
     if hit is None:
+        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        best_key = (*key[:4], dtypes, key[5])
         # Under the lock, so that the config read back is the one this call's launch chose (autograd's
         # device thread may launch the same kernel for another key at the same time).
         with _TUNING_LOCK:
-            tuner = _tuned(spec, kernel)
-            compiled = tuner[grid](*args, **consts)
-            cfg = tuner.best_config
+            cfg = _BEST.get(best_key)
+            if cfg is None:
+                tuner = _tuned(spec, kernel)
+                compiled = tuner[grid](*args, **consts)
+                cfg = _BEST[best_key] = tuner.best_config
+            else:
+                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
         if isinstance(compiled, triton.compiler.CompiledKernel):
             meta = {**consts, **cfg.kwargs}
             tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
