@@ -649,3 +649,40 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
     check_against_eager(*make_inputs(4097, K, N, r, torch.bfloat16, device="cuda"), SCALE, drop,
                         tol=GPU_TOL[torch.bfloat16])  # fmt: skip
     assert tuner_calls, "a new bucket must tune"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("r", [16, 256])
+def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
+    # The fused adapter-gradient kernel holds two reduction loops (x's tiles, dy's tiles); the pruning
+    # estimate must still bound what the compiler allocates, or a ~100 KB GPU could be handed a config
+    # that does not fit.
+    from triton.runtime.errors import OutOfResources
+
+    from parallel_lora.kernels import rank_reduce
+
+    limit = kconfigs.max_shared_mem(torch.cuda.current_device())
+    checked = []
+
+    def compile_each(spec, kernel, grid, args, consts):
+        nargs = dict(zip(kernel.arg_names, args, strict=False))
+        elem = nargs[spec.dtype_arg].element_size()
+        for cfg in spec.configs():
+            need = spec.smem(cfg.kwargs, cfg.num_stages, elem, {**nargs, **consts})
+            if need > limit:
+                continue  # pruned before any launch
+            try:
+                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
+            except OutOfResources as err:
+                pytest.fail(f"{cfg} estimated {need} B but did not fit: {err}")
+            assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
+            checked.append(cfg)
+
+    monkeypatch.setattr(rank_reduce, "launch", compile_each)
+    torch.manual_seed(0)
+    M, K, N = 4096, 1024, 512
+    x, dy = (torch.randn(M, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
+    g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    rank_reduce.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=1, drop_x=True)
+    assert checked
