@@ -1,92 +1,79 @@
-"""Differentiable collectives on plain local tensors, used by the tensor-parallel layers.
+"""Collectives of the tensor-parallel layers, on plain local tensors.
 
 Each collective runs in the dtype of the tensor it is given; the layers hand them tensors already in the
 base output dtype (bf16 stays bf16 on the wire) and fp32 master-adapter gradients in fp32.
 
-| function             | forward             | backward            |
-|----------------------|---------------------|---------------------|
-| ``copy_to_tp``       | identity            | all-reduce          |
-| ``reduce_from_tp``   | all-reduce          | identity            |
-| ``reduce_scatter_sp``| reduce-scatter(dim) | all-gather(dim)     |
-| ``SequenceGather``   | all-gather(dim)     | reduce-scatter(dim) |
-| ``reduce_replicated_grad`` | identity      | all-reduce, deferred under ``no_sync`` |
+A layer's activation communication is two small objects that ``LoRALinearFunction`` calls inside its own
+forward and backward, so the LoRA path and the base share each collective and add no autograd node:
+
+| object                | where                  | forward               | backward                 |
+|-----------------------|------------------------|-----------------------|--------------------------|
+| ``ReplicatedInput``   | column input           | identity              | all-reduce of dx         |
+| ``SequenceGather``    | column input, SP       | all-gather(seq dim)   | reduce-scatter of dx     |
+| ``ReducedOutput``     | row output             | all-reduce            | identity                 |
+| ``ReduceScatterOutput`` | row output, SP       | reduce-scatter(seq)   | all-gather of dy         |
+
+``input_comm`` / ``output_comm`` apply the same objects as autograd nodes of their own, for the base-only
+paths (merged or disabled adapters). ``adapter_shards`` turns the two adapter DTensor parameters into
+local tensors in one node whose backward all-reduces the replicated factor's gradient once (deferred under
+``no_sync``) and hands autograd DTensor gradients.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
+    """Sum ``t`` over ``group``, in place when ``t`` is contiguous (every caller hands over a tensor it owns:
+    a kernel's output or a gradient). In-place c10d skips the functional collective's output copy and its
+    ``AsyncCollectiveTensor`` wrapper (on the H200 machine ~150-200 us of host time per call); the current
+    stream waits for it, the host does not. A one-rank group sums nothing."""
+    if group.size() == 1:
+        return t
+    t = t.contiguous()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def all_gather(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if group.size() == 1:
+        return t
     # all_gather_tensor is deprecated (FutureWarning) in newer torch in favour of all_gather_single: same op.
     ag = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     return funcol.wait_tensor(ag(t.contiguous(), dim, group))
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if group.size() == 1:
+        return t
     rs = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     return funcol.wait_tensor(rs(t.contiguous(), "sum", dim, group))
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+# ------------------------------------------------------------------------------------ activation layouts
+class ReplicatedInput:
+    """A column-parallel layer's replicated input: every rank has the full ``x``; ``dx`` is the sum of the
+    ranks' partial input gradients (base and LoRA terms together), one all-reduce."""
 
-    @staticmethod
-    def backward(ctx, dx):
-        return all_reduce(dx, ctx.group), None
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial, group):
-        return all_reduce(partial, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
-
-
-class _ReduceScatterSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(partial, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy_local):
-        return all_gather(dy_local, ctx.dim, ctx.group), None, None
-
-
-def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Replicated input of a column-parallel layer: its gradient is summed over TP ranks once."""
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(partial: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum the per-rank partial outputs of a row-parallel layer (one all-reduce)."""
-    return _ReduceFromTP.apply(partial, group)
-
-
-def reduce_scatter_sp(partial: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    """Row-parallel output under sequence parallelism: sum partials and keep this rank's sequence shard."""
-    return _ReduceScatterSP.apply(partial, dim, group)
+    def scatter_grad(self, dx: torch.Tensor) -> torch.Tensor:
+        return all_reduce(dx, self.group)
 
 
 class SequenceGather:
-    """Sequence-parallel input of a column-parallel layer, for ``LoRALinearFunction``'s ``input_gather``.
-
-    The Function gathers ``x`` in forward and saves only the local shard; backward gathers it again (W is
-    frozen, so only ``dA`` needs the full ``x``) and reduce-scatters ``dx``.
-    """
+    """A column-parallel layer's sequence-parallel input: ``x`` is this rank's sequence shard, gathered once
+    for base and LoRA together; ``dx`` is reduce-scattered back. ``LoRALinearFunction`` saves only the
+    shard and gathers it again in backward (W is frozen, so only ``dA`` needs the full ``x``)."""
 
     def __init__(self, dim: int, group: ProcessGroup) -> None:
         self.dim, self.group = dim, group
@@ -98,32 +85,115 @@ class SequenceGather:
         return reduce_scatter(dx_full, self.dim, self.group)
 
 
-class _ReduceReplicatedGrad(torch.autograd.Function):
-    """Identity on a replicated factor's local tensor; its gradient, a Partial sum over TP ranks, is
-    all-reduced once here, or left local while the owning module is inside ``no_sync``."""
+class ReducedOutput:
+    """A row-parallel layer's output: the ranks' partials (base and LoRA together) summed by one all-reduce;
+    the full ``dy`` is already on every rank."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce(partial, self.group)
+
+    def gather_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return dy
+
+
+class ReduceScatterOutput:
+    """A row-parallel layer's sequence-parallel output: partials summed and scattered along the sequence
+    dim (one reduce-scatter); backward all-gathers ``dy``."""
+
+    def __init__(self, dim: int, group: ProcessGroup) -> None:
+        self.dim, self.group = dim, group
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter(partial, self.dim, self.group)
+
+    def gather_grad(self, dy_local: torch.Tensor) -> torch.Tensor:
+        return all_gather(dy_local, self.dim, self.group)
+
+
+class _InputComm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        x_full = comm.gather(x)
+        return x_full.view_as(x_full) if x_full is x else x_full  # a fresh tensor object for autograd
 
     @staticmethod
-    def forward(ctx, local, param, group, sync):
-        ctx.param, ctx.group, ctx.sync = param, group, sync
-        return local.view_as(local)
+    def backward(ctx, dx_full):
+        return ctx.comm.scatter_grad(dx_full), None
+
+
+class _OutputComm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial, comm):
+        ctx.comm = comm
+        y = comm.reduce(partial)
+        return y.view_as(y) if y is partial else y
 
     @staticmethod
-    def backward(ctx, grad):
-        param = ctx.param
-        if not ctx.sync:
-            param._lora_grad_unreduced = True
-            return grad, None, None, None
-        if getattr(param, "_lora_grad_unreduced", False) and param.grad is not None:
-            # Earlier no_sync micro-steps left their partial sums in .grad: reduce them together with this
-            # step's, in the same single all-reduce, and let autograd accumulate the total.
-            pending = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            grad = grad + pending.to(grad.dtype)
-            pending.zero_()
-        param._lora_grad_unreduced = False
-        return all_reduce(grad, ctx.group), None, None, None
+    def backward(ctx, dy):
+        return ctx.comm.gather_grad(dy), None
 
 
-def reduce_replicated_grad(
-    local: torch.Tensor, param: torch.nn.Parameter, group: ProcessGroup, sync: bool
-) -> torch.Tensor:
-    return _ReduceReplicatedGrad.apply(local, param, group, sync)
+def input_comm(x: torch.Tensor, comm: ReplicatedInput | SequenceGather) -> torch.Tensor:
+    """``comm.gather`` as an autograd node (backward ``comm.scatter_grad``), for base-only column paths."""
+    return _InputComm.apply(x, comm)
+
+
+def output_comm(partial: torch.Tensor, comm: ReducedOutput | ReduceScatterOutput) -> torch.Tensor:
+    """``comm.reduce`` as an autograd node (backward ``comm.gather_grad``), for base-only row paths."""
+    return _OutputComm.apply(partial, comm)
+
+
+# ----------------------------------------------------------------------------------------- adapter shards
+class _AdapterShards(torch.autograd.Function):
+    """``(A, B)`` DTensor parameters -> their local tensors. Backward: the replicated factor's gradient is
+    a Partial sum over TP ranks, all-reduced here once (or left local while the module is in ``no_sync``);
+    both gradients go back as DTensors with their parameter's placements."""
+
+    @staticmethod
+    def forward(ctx, lora_A, lora_B, replicated, group, sync):
+        ctx.set_materialize_grads(False)
+        ctx.params, ctx.replicated, ctx.group, ctx.sync = (lora_A, lora_B), replicated, group, sync
+        # Grad mode is off in here, so to_local() is the local tensor itself; views give autograd fresh
+        # tensor objects to attach its metadata to.
+        a, b = lora_A.to_local(), lora_B.to_local()
+        return a.view_as(a), b.view_as(b)
+
+    @staticmethod
+    def backward(ctx, da, db):
+        grads = [da, db]
+        i = ctx.replicated
+        if grads[i] is not None:
+            grads[i] = _reduce_replicated(grads[i], ctx.params[i], ctx.group, ctx.sync)
+        return (
+            *(None if g is None else DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+              for g, p in zip(grads, ctx.params, strict=True)),
+            None, None, None,
+        )  # fmt: skip
+
+
+def _reduce_replicated(grad: torch.Tensor, param: torch.nn.Parameter, group: ProcessGroup, sync: bool):
+    if not sync:
+        param._lora_grad_unreduced = True
+        return grad
+    if getattr(param, "_lora_grad_unreduced", False) and param.grad is not None:
+        # Earlier no_sync micro-steps left their partial sums in .grad: reduce them together with this
+        # step's, in the same single all-reduce, and let autograd accumulate the total.
+        pending = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad = grad + pending.to(grad.dtype)
+        pending.zero_()
+    param._lora_grad_unreduced = False
+    return all_reduce(grad, group)
+
+
+def adapter_shards(
+    lora_A: torch.nn.Parameter, lora_B: torch.nn.Parameter, replicated: str, group: ProcessGroup, sync: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local tensors of the adapter DTensors (their own dtype); ``replicated`` names the factor every rank
+    holds whole (``"lora_A"`` or ``"lora_B"``), whose gradient is all-reduced in backward unless ``sync``
+    is False."""
+    index = ("lora_A", "lora_B").index(replicated)
+    return _AdapterShards.apply(lora_A, lora_B, index, group, sync)

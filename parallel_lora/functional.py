@@ -71,27 +71,35 @@ class LoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_gather=None):
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_comm=None, output_comm=None):
         forward = _impl(backend)[0]
-        # Sequence parallel: x is this rank's sequence shard; gather it once for base and LoRA together,
-        # but save only the shard (W is frozen, so only dA needs the full x, gathered again in backward).
-        x_full = x if input_gather is None else input_gather.gather(x)
+        # Tensor parallel (``parallel_lora.comm``): ``input_comm`` brings x to the full input (identity, or the
+        # sequence-parallel all-gather, once for base and LoRA together) and sums dx over ranks in backward;
+        # ``output_comm`` reduces the output partials, base and LoRA terms together. Under SP only the local
+        # shard of x is saved (W is frozen, so only dA needs the full x, gathered again in backward).
+        x_full = x if input_comm is None else input_comm.gather(x)
         x2d = x_full.reshape(-1, x_full.shape[-1])
         with autocast_off(x.device.type):
             y2d, s_lora = forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
-        ctx.scale, ctx.dropout, ctx.backend, ctx.input_gather = scale, dropout, backend, input_gather
+        ctx.scale, ctx.dropout, ctx.backend = scale, dropout, backend
+        ctx.input_comm, ctx.output_comm = input_comm, output_comm
         ctx.has_bias = bias is not None
+        y = y2d.reshape(*x_full.shape[:-1], weight.shape[0])
+        if output_comm is not None:
+            y = output_comm.reduce(y)
         # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on
         # the output treat views of Function outputs specially). Same storage, no copy.
-        return y2d.reshape(*x_full.shape[:-1], weight.shape[0]).detach()
+        return y.detach()
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, lora_A, lora_B, s_lora = ctx.saved_tensors
         needs_dx, needs_dW, needs_db, needs_dA, needs_dB = ctx.needs_input_grad[:5]
-        gather = ctx.input_gather
-        x_full = x if gather is None or not (needs_dA or needs_dW) else gather.gather(x)
+        comm = ctx.input_comm
+        if ctx.output_comm is not None:
+            dy = ctx.output_comm.gather_grad(dy)
+        x_full = x if comm is None or not (needs_dA or needs_dW) else comm.gather(x)
         dy2d = dy.reshape(-1, dy.shape[-1])
         x2d = x_full.reshape(-1, x_full.shape[-1])
         with autocast_off(x.device.type):
@@ -104,9 +112,9 @@ class LoRALinearFunction(torch.autograd.Function):
             db = dy2d.sum(0) if needs_db and ctx.has_bias else None
         if dx is not None:
             dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
-            if gather is not None:
-                dx = gather.scatter_grad(dx)
-        return dx, dW, db, dA, dB, None, None, None, None
+            if comm is not None:
+                dx = comm.scatter_grad(dx)
+        return dx, dW, db, dA, dB, None, None, None, None, None
 
 
 def check_inputs(

@@ -226,21 +226,36 @@ class Collective:
     shape: tuple[int, ...]
 
 
+# In-place c10d collectives under the functional collectives' names (the layers' all-reduces are in-place).
+C10D_NAMES = {"allreduce_": "all_reduce", "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor"}  # fmt: skip
+
+
+def collective_name(namespace: str, opname: str) -> str | None:
+    """The collective an op issues under one name, or None for bookkeeping ops (wait_tensor,
+    _wrap_tensor_autograd, barriers) that move no data."""
+    if namespace == "_c10d_functional" and opname != "wait_tensor" and not opname.startswith("_"):
+        return opname
+    if namespace == "c10d":
+        return C10D_NAMES.get(opname)
+    return None
+
+
 class CollectiveRecorder(TorchDispatchMode):
-    """Records the op, dtype and shape of the first tensor argument of every ``_c10d_functional``
-    collective issued while active (``wait_tensor`` excluded). Counts agree with ``CommDebugMode``'s."""
+    """Records the op, dtype and shape of the first tensor argument of every collective (functional or
+    in-place c10d, under one name per collective) issued while active. Counts agree with ``CommDebugMode``'s."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Skip the bookkeeping ops (wait_tensor, _wrap_tensor_autograd): they move no data.
-        if func.namespace == "_c10d_functional" and func._opname != "wait_tensor" and not func._opname.startswith("_"):
+        name = collective_name(func.namespace, func._opname)
+        if name is not None:
             first = args[0]
             if isinstance(first, (list, tuple)):
                 first = first[0]
-            self.calls.append(Collective(func._opname, first.dtype, tuple(first.shape)))
+            self.calls.append(Collective(name, first.dtype, tuple(first.shape)))
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> Counter:

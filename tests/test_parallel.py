@@ -126,8 +126,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _op_counts(mode: CommDebugMode) -> dict[str, int]:
-    # CommDebugMode keys are op packets (e.g. c10d_functional.all_reduce); keep the collective's name.
-    return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items() if n}
+    # CommDebugMode keys are op packets (e.g. c10d_functional.all_reduce, c10d.allreduce_): keep the
+    # collective's one name.
+    counts: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).rsplit(".", 1)[-1]
+        counts[_dist.C10D_NAMES.get(name, name)] += n
+    return {name: n for name, n in counts.items() if n}
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -314,12 +319,28 @@ def test_collectives_per_phase_are_the_base_layers_plus_one_adapter_grad_reducti
     _dist.run_ranks(world_size, _collective_counts, sp)
 
 
+def _one_rank_issues_no_collective(sp: bool) -> None:
+    col, row, _, _ = _tp_pair(F32, sp)
+    x = torch.randn(BATCH, SEQ, K, requires_grad=True)
+    # (The same layers on two and four ranks issue the counts pinned by the test above.)
+    assert _phase_counts([col, row], x) == ({}, {}), "sums and gathers over one rank are identities"
+
+
+@pytest.mark.parametrize("world_size", [1])
+@SP
+def test_a_one_rank_group_issues_no_collective(world_size, sp):
+    _dist.run_ranks(world_size, _one_rank_issues_no_collective, sp)
+
+
 def _collective_dtypes(dtype: torch.dtype, sp: bool) -> None:
     col, row, _, _ = _tp_pair(dtype, sp)
     x = _seq_shard(torch.randn(BATCH, SEQ, K, device=_dist.device()), sp).requires_grad_(True)  # fp32 x
     with _dist.CollectiveRecorder() as rec:
         y = row(F.gelu(col(x)))
         y.float().square().sum().backward()
+    if dist.get_world_size() == 1:
+        assert rec.calls == [], f"a one-rank group must issue no collective, got {rec.calls}"
+        return
     activations = [c for c in rec.calls if len(c.shape) == 3]
     adapter_grads = [c for c in rec.calls if len(c.shape) == 2]
     assert len(activations) == (5 if sp else 2) and len(adapter_grads) == 2, rec.calls
