@@ -1,5 +1,6 @@
 """Plot a bench_lora.py JSON: fwd and fwd+bwd ratios to the cuBLAS base, one group of bars per shape
-(dropout 0, bf16 adapters), and print every row as the markdown table of ``docs/benchmarks.md``.
+(dropout 0, bf16 adapters), and print the two markdown tables of ``docs/benchmarks.md``: ours against
+the best other implementation of each row (bold where ours is the fastest), then every row.
 
     python benchmarks/plot.py benchmarks/results/2026-12-02-nvidia_h200.json docs/img/benchmarks.png
 """
@@ -62,6 +63,35 @@ def table(json_path: str) -> str:
     return "\n".join(lines)
 
 
+def summary(json_path: str) -> str:
+    """Per (shape, adapters, dropout): our ratios against the best other implementation's, held memory."""
+    rows = json.loads(Path(json_path).read_text())["rows"]
+    lines = [
+        "| M,K,N,r | adapters | dropout | ours fwd | best other fwd | ours fwd+bwd | best other fwd+bwd "
+        "| held MiB ours / PEFT |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cases = dict.fromkeys((tuple(r["shape"]), r["adapter_dtype"], r["dropout"]) for r in rows)
+    for shape, adapters, dropout in cases:
+        group = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["adapter_dtype"], r["dropout"]) == (
+            shape, adapters, dropout)}  # fmt: skip
+        ours = group["parallel_lora"]
+        others = [r for name, r in group.items() if name not in ("base", "parallel_lora")]
+        cells = []
+        for key in ("fwd_ratio", "fwdbwd_ratio"):
+            best = min(others, key=lambda r, key=key: r[key])
+            mark = "**" if ours[key] <= best[key] else ""
+            cells += [f"{mark}{ours[key]:.3f}{mark}", f"{best[key]:.3f} ({best['impl']})"]
+        peft = group.get("peft", {}).get("held_mib", float("nan"))
+        lines.append(
+            f"| {','.join(map(str, shape))} | {adapters} | {dropout} | {' | '.join(cells)} | "
+            f"{ours['held_mib']:.1f} / {peft:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     plot(sys.argv[1], sys.argv[2])
+    print(summary(sys.argv[1]))
+    print()
     print(table(sys.argv[1]))
