@@ -67,7 +67,8 @@ class LoRALinearFunction(torch.autograd.Function):
     Inputs: ``x [*, K]``, ``W [N, K]``, ``b [N]`` and ``x``/``W``/``b`` in the compute dtype; ``A [r, K]``,
     ``B [N, r]`` in the compute dtype (fused path) or their own dtype (eager path). Output ``[*, N]`` in the
     compute dtype. Backward returns each gradient in its input's dtype; ``dW``/``db`` only if they require
-    grad (the base is normally frozen).
+    grad (the base is normally frozen). ``input_comm`` / ``output_comm`` (``parallel_lora.comm``) are a
+    tensor-parallel layer's activation collectives, run inside this one node: the LoRA path shares them.
     """
 
     @staticmethod

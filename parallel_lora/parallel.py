@@ -14,6 +14,8 @@ row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
 Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
 Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
 adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
+The activation collectives run inside ``LoRALinearFunction`` (``parallel_lora.comm``), the adapter shards
+come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective.
 """
 
 from __future__ import annotations
