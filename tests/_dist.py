@@ -226,9 +226,9 @@ class Collective:
     shape: tuple[int, ...]
 
 
-# In-place c10d collectives under the functional collectives' names (the layers' all-reduces are in-place).
-C10D_NAMES = {"allreduce_": "all_reduce", "allgather_into_tensor_coalesced_": "all_gather_into_tensor",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor"}  # fmt: skip
+# In-place c10d collectives under the functional collectives' names: the layers' all-reduces are in-place
+# (``parallel_lora.comm.all_reduce``); their gathers and reduce-scatters are functional.
+C10D_NAMES = {"allreduce_": "all_reduce"}
 
 
 def collective_name(namespace: str, opname: str) -> str | None:

@@ -180,6 +180,12 @@ def test_one_adapter_gradient_alone_matches_eager(M, wanted):
     assert_matches(wanted, outs[i], ref[2 + i], mag[2 + i], torch.float32)
 
 
+def _patch_launches(monkeypatch, fn) -> None:
+    """Route every kernel launch (each kernel module imports ``configs.launch`` by name) through ``fn``."""
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
+        monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", fn)
+
+
 def _count_launches(monkeypatch) -> list[str]:
     """Record the kernel of every launch the LoRA kernels make."""
     from parallel_lora.kernels import configs
@@ -191,8 +197,7 @@ def _count_launches(monkeypatch) -> list[str]:
         launched.append(spec.name)
         return real(spec, kernel, grid, args, consts)
 
-    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
-        monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", spy)
+    _patch_launches(monkeypatch, spy)
     return launched
 
 
@@ -285,8 +290,7 @@ def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for M = 0")
 
-    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
-        monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", no_launch)
+    _patch_launches(monkeypatch, no_launch)
     x, weight, b, lora_A, lora_B, dy = make_inputs(0, 16, 8, 4, torch.bfloat16)
     y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
     assert y.shape == (0, 8) and s_lora.shape == (0, 4) and y.dtype == s_lora.dtype == torch.bfloat16
