@@ -289,8 +289,8 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor parameter; a frozen one skips ``to_local``'s autograd node (8 us of
-    host time per call on the dev CPU), since it has no gradient to route."""
+    """The local tensor of a DTensor parameter; a frozen one skips ``to_local``'s autograd Function (host
+    time at every forward), since it has no gradient to route."""
     if param.requires_grad:
         return param.to_local()
     with torch.no_grad():
