@@ -54,17 +54,17 @@ def main():
     torch.cuda.synchronize()
     rows = []
     print(f"{'kernel':>28} {'sizes':>28} {'consts':>44} {'config':>40} {'regs':>5} {'spills':>6} {'smem':>7}")
-    for key, (compiled, meta, _) in configs._COMPILED.items():
-        spec_name, kernel_name, _, sizes, _, consts = key
+    for key, bound in configs._BOUND.items():
+        kernel_name, compiled, consts, cfg = key[1], bound.compiled, bound.consts, bound.config.kwargs
+        sizes = bound.static[: 3 if key[0] == "shrink" else 4]  # M and the layer's sizes lead the size arguments
         compiled._init_handles()
-        cfg = {k: v for k, v in meta.items() if k.isupper() and k not in dict(consts)}
         row = {
-            "kernel": kernel_name, "sizes": list(sizes), "consts": dict(consts), "config": cfg,
+            "kernel": kernel_name, "sizes": list(sizes), "consts": consts, "config": cfg,
             "num_warps": compiled.metadata.num_warps, "num_stages": compiled.metadata.num_stages,
             "n_regs": compiled.n_regs, "n_spills": compiled.n_spills, "shared": compiled.metadata.shared,
         }  # fmt: skip
         rows.append(row)
-        short = {k: v for k, v in dict(consts).items() if k in ("W_NK", "LORA_DROP", "R_PAD", "BLOCK_R", "DROP_PRE")}
+        short = {k: v for k, v in consts.items() if k in ("W_NK", "LORA_DROP", "R_PAD", "BLOCK_R", "DROP_PRE")}
         config = f"{cfg} w{row['num_warps']} s{row['num_stages']}"
         print(f"{kernel_name:>28} {str(sizes):>28} {str(short):>44} {config:>40} {row['n_regs']:>5} "
               f"{row['n_spills']:>6} {row['shared']:>7}")  # fmt: skip

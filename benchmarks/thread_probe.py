@@ -93,22 +93,22 @@ def main():
 
     from parallel_lora.kernels import configs, shrink
 
-    # The cached compiled shrink kernel and the arguments of its last launch, to split one launch's host time
-    # into our launch key and Triton's own call of the compiled kernel.
-    shrink_args: list = []
+    # The bound shrink kernel and the arguments of its last launch, to split one launch's host time into our
+    # wrapper and Triton's own call of the compiled kernel.
+    shrink_call: list = []
     launch = configs.launch
 
-    def recording_launch(spec, kernel, grid, args, consts):
+    def recording_launch(spec, kernel, signature, tensors, runtime, build):
         if spec.name == "shrink":
-            shrink_args[:] = [spec, kernel, grid, args, consts]
-        return launch(spec, kernel, grid, args, consts)
+            shrink_call[:] = [spec, kernel, signature, tensors, runtime]
+        return launch(spec, kernel, signature, tensors, runtime, build)
 
     shrink.launch = recording_launch
     lora_shrink(dy, B, 2.0)
     shrink.launch = launch
-    spec, kernel, grid, sargs, consts = shrink_args
-    compiled, meta, tail = configs._COMPILED[configs._launch_key(spec, kernel, sargs, consts)]
-    g = grid(meta)
+    spec, kernel, signature, tensors, runtime = shrink_call
+    key = (spec.name, kernel.__name__, torch.cuda.current_device(), signature, tuple(True for _ in tensors))
+    bound = configs._BOUND[key]
 
     def pure_python():
         s = 0
@@ -129,8 +129,7 @@ def main():
         "tensor.data_ptr": x.data_ptr,
         "x.t() view": x.t,
         "lora_shrink launch": lambda: lora_shrink(dy, B, 2.0),
-        "  its launch key": lambda: configs._launch_key(spec, kernel, sargs, consts),
-        "  its compiled-kernel call": lambda: compiled[(g[0], 1, 1)](*sargs, *tail),
+        "  its compiled-kernel call": lambda: bound.run(*tensors, *bound.static, *runtime, *bound.tail),
         "kernels.backward": lambda: kernels.backward(dy, x, W, A, B, S, 2.0, None),
         "kernels.backward_unchecked": lambda: kernels.backward_unchecked(dy, x, W, A, B, S, 2.0, None),
         "kernels.forward": lambda: kernels.forward(x, W, None, A, B, 2.0, None),

@@ -50,15 +50,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+_KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
+
+
 def _impl(backend: str) -> tuple[Callable, Callable]:
     """``(forward, backward)`` of a backend. The fused backward skips the kernels' argument checks: its
     operands are what the checked forward saved, and autograd hands it ``dy`` of the output's shape and
     dtype."""
-    if backend == "triton":
+    if backend != "triton":
+        return eager.forward, eager.backward
+    if not _KERNELS:
         from . import kernels
 
-        return kernels.forward, kernels.backward_unchecked
-    return eager.forward, eager.backward
+        _KERNELS.append(kernels)
+    return _KERNELS[0].forward, _KERNELS[0].backward_unchecked
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [*, n]`` as ``[rows, n]`` (2-D inputs as they are: a reshape costs host time at every call)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -79,14 +89,14 @@ class LoRALinearFunction(torch.autograd.Function):
         # ``output_comm`` reduces the output partials, base and LoRA terms together. Under SP only the local
         # shard of x is saved (W is frozen, so only dA needs the full x, gathered again in backward).
         x_full = x if input_comm is None else input_comm.gather(x)
-        x2d = x_full.reshape(-1, x_full.shape[-1])
+        x2d = _rows(x_full)
         with autocast_off(x.device.type):
             y2d, s_lora = forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.scale, ctx.dropout, ctx.backend = scale, dropout, backend
         ctx.input_comm, ctx.output_comm = input_comm, output_comm
         ctx.has_bias = bias is not None
-        y = y2d.reshape(*x_full.shape[:-1], weight.shape[0])
+        y = y2d if x_full.dim() == 2 else y2d.reshape(*x_full.shape[:-1], weight.shape[0])
         if output_comm is not None:
             y = output_comm.reduce(y)
         # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on
@@ -101,8 +111,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if ctx.output_comm is not None:
             dy = ctx.output_comm.gather_grad(dy)
         x_full = x if comm is None or not (needs_dA or needs_dW) else comm.gather(x)
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        x2d = x_full.reshape(-1, x_full.shape[-1])
+        dy2d, x2d = _rows(dy), _rows(x_full)
         with autocast_off(x.device.type):
             dx, dA, dB = _impl(ctx.backend)[1](
                 dy2d, x2d, weight, lora_A, lora_B, s_lora, ctx.scale, ctx.dropout,
@@ -112,7 +121,8 @@ class LoRALinearFunction(torch.autograd.Function):
             dW = dy2d.t() @ x2d if needs_dW else None
             db = dy2d.sum(0) if needs_db and ctx.has_bias else None
         if dx is not None:
-            dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
+            if dy.dim() != 2:
+                dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
             if comm is not None:
                 dx = comm.scatter_grad(dx)
         return dx, dW, db, dA, dB, None, None, None, None, None

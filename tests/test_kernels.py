@@ -193,9 +193,9 @@ def _count_launches(monkeypatch) -> list[str]:
     launched = []
     real = configs.launch
 
-    def spy(spec, kernel, grid, args, consts):
+    def spy(spec, *args):
         launched.append(spec.name)
-        return real(spec, kernel, grid, args, consts)
+        return real(spec, *args)
 
     _patch_launches(monkeypatch, spy)
     return launched
@@ -475,18 +475,39 @@ def test_launch_sizes_bucket_the_token_count_and_keep_the_layer_sizes():
         kconfigs.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
 
 
-def test_launch_cache_key_separates_what_triton_specializes_on():
-    # A cached compiled kernel is reused only for arguments Triton would have compiled it for: tensors of
-    # one dtype and 16-byte alignment, ints of one width with the same "== 1" / "% 16 == 0" properties.
-    buf = torch.zeros(64, dtype=torch.bfloat16)
-    cls = kconfigs._arg_class
-    assert cls(buf[:8]) == cls(buf[8:16])  # 16 bytes apart: both aligned
-    assert cls(buf[:8]) != cls(buf[1:9])  # 2 bytes off
-    assert cls(buf[:8]) != cls(buf[:8].float())
-    assert cls(32) == cls(48)
-    assert len({cls(v) for v in (1, 16, 17, 2**31, -(2**31) - 1, 2**63)}) == 6
-    assert len({cls(v) for v in (True, False, 1)}) == 3
-    assert cls(0.5) == cls(2.0)
+def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scalars(monkeypatch):
+    # On GPU a signature's first launch binds its compiled kernel, grid and size/stride arguments, and every
+    # later launch with an equal signature reuses them: two calls whose signatures match but whose build()
+    # differs would silently run with another call's strides. Record both over many operand layouts.
+    from parallel_lora.kernels import configs
+
+    seen: dict[tuple, tuple] = {}
+
+    def record(spec, kernel, signature, tensors, runtime, build):
+        static, grid, consts = build()
+        meta = {**consts, **configs.INTERP_CONFIGS[spec.name]}
+        aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        launch = (static, grid(meta), tuple(sorted(consts.items())), tuple(t.dtype for t in tensors))
+        assert seen.setdefault((spec.name, signature, aligned), launch) == launch, (spec.name, signature)
+
+    _patch_launches(monkeypatch, record)
+    for M, K, N, r in [(40, 48, 56, 8), (41, 48, 56, 8), (40, 56, 48, 8), (40, 48, 56, 16), (1, 48, 56, 8)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for bias in (True, False):
+                x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
+                layouts = [
+                    (x, weight, lora_A, lora_B, dy),
+                    (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
+                    (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
+                    (x, weight, lora_A, lora_B, dy.t().contiguous().t()),
+                ]
+                for xi, wi, ai, bi, dyi in layouts:
+                    for drop in DROPOUTS.values():
+                        _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
+                        for needs in ((True, True, True), (False, True, True), (True, False, False)):
+                            kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
+    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce"}
+    assert len(seen) > 100
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -547,21 +568,21 @@ def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
 @gpu
 @needs_cuda
 def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
-    # The second call of a key skips Triton's launch path (launch() calls the cached compiled kernel); a
+    # The second call of a signature skips Triton's launch path (launch() calls the bound compiled kernel); a
     # misaligned view of the same data must get its own entry and still be right.
     torch.manual_seed(0)
     x, weight, b, lora_A, lora_B, dy = make_inputs(520, 256, 264, 16, torch.bfloat16, device="cuda")
     storage = torch.randn(520 * 256 + 1, device="cuda").to(torch.bfloat16)
     x_off = storage[1:].view(520, 256)  # 2 bytes past a 16-byte boundary: no TMA, no alignment hint
     x_off.copy_(x)
-    kconfigs._COMPILED.clear()
+    kconfigs._BOUND.clear()
     for operand in (x, x, x_off, x_off, x):
         check_against_eager(operand, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
-    keys = list(kconfigs._COMPILED)
-    assert any(not cls[1] for key in keys for cls in key[4] if isinstance(cls[0], torch.dtype)), keys
+    keys = list(kconfigs._BOUND)
+    assert any(not all(key[4]) for key in keys), keys
     n = len(keys)
     check_against_eager(x_off, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
-    assert len(kconfigs._COMPILED) == n  # seen before: nothing new compiled or cached
+    assert len(kconfigs._BOUND) == n  # seen before: nothing new compiled or bound
 
 
 @gpu

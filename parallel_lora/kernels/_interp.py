@@ -51,6 +51,8 @@ def split_seed(seed: int) -> tuple[int, int]:
     Triton types a Python int argument by its value (i32 below 2**31, i64 above), so passing the seed
     whole would compile two kernel variants; two int32 halves (reassembled in-kernel) keep one.
     """
+    if seed == 0:  # no dropout: the common case, asked by every launch
+        return 0, 0
     seed = int(seed)
     return _as_int32(seed & _MASK32), _as_int32((seed >> 32) & _MASK32)
 

@@ -265,29 +265,25 @@ def tuned_summary() -> dict[str, list[str]]:
     }
 
 
-def _arg_class(v) -> tuple:
-    """What Triton may specialize a runtime argument on (dtype and 16-byte alignment of a tensor; an int's
-    ``== 1``, ``% 16 == 0`` and the i32/i64/u64 width its value needs), or finer: a finer key only means a
-    few more cache entries, each made by Triton's own launch path."""
-    t = type(v)
-    if t is int:
-        return (int, v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63)
-    if t is float:
-        return _FLOAT
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    return (t, v)  # bool (Triton's u1), None, ...
+@dataclass(frozen=True)
+class Bound:
+    """A kernel bound to one launch signature: its compiled kernel called at a fixed grid, the size and stride
+    arguments, and the constexpr tail (the call's constexprs and the tuned config)."""
+
+    run: Callable  # the compiled kernel's runner at this grid
+    static: tuple  # the sizes and strides, between the tensors and the runtime scalars
+    tail: tuple  # constexpr values, in the kernel's argument order after the runtime scalars
+    compiled: triton.compiler.CompiledKernel
+    consts: dict  # the call's constexprs
+    config: triton.Config  # the tuned config it was compiled with
 
 
-_FLOAT = (float,)
-
-
-# (kernel, device, bucketed sizes, argument classes, constexprs) -> (compiled kernel, config, constexpr tail).
-# Triton's launch path re-binds and re-specializes every argument and the autotuner rebuilds its key at each
-# call: 60-100 us of host time per launch on the H200 machine's CPU, more than the small kernels run for and
-# enough to leave the GPU idle in backward. After a key's first launch we call its compiled kernel directly.
-_COMPILED: dict[tuple, tuple] = {}
-# (kernel, device, bucketed sizes, tensor dtypes, constexprs) -> the config the autotuner chose for the
+# (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. Triton's own launch path re-binds
+# and re-specializes every argument and the autotuner rebuilds its key at each call (60-100 us of host time
+# per launch on the H200 machine's CPU, more than the small kernels run for); after a signature's first
+# launch we call its compiled kernel directly.
+_BOUND: dict[tuple, Bound] = {}
+# (spec, kernel, device, bucketed sizes, tensor dtypes, constexprs) -> the config the autotuner chose for the
 # first token count M of that bucket.
 _BEST: dict[tuple, triton.Config] = {}
 _TUNING_LOCK = threading.Lock()
@@ -306,43 +302,54 @@ def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
     return (_next_pow2(m), *rest)
 
 
-def _launch_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
-    # The grid is recomputed from the live sizes at every launch, so the compiled kernel depends on the sizes
-    # only through their argument classes (M's "== 1" and "% 16 == 0"): bucketed sizes suffice here.
-    device = torch.cuda.current_device()
-    return (
-        spec.name, kernel.__name__, device, bucketed_sizes(spec, kernel, args), tuple(map(_arg_class, args)),
-        tuple(consts.items()),
-    )  # fmt: skip
+def _compile(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
+    """Launch through Triton's own path with the config tuned for this size bucket (tuning it at the bucket's
+    first launch); returns ``(compiled kernel, config)``."""
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    best_key = (spec.name, kernel.__name__, torch.cuda.current_device(), bucketed_sizes(spec, kernel, args),
+                dtypes, tuple(consts.items()))  # fmt: skip
+    # Under the lock, so that the config read back is the one this call's launch chose (autograd's device
+    # thread may launch the same kernel for another signature at the same time).
+    with _TUNING_LOCK:
+        cfg = _BEST.get(best_key)
+        if cfg is None:
+            tuner = _tuned(spec, kernel)
+            compiled = tuner[grid](*args, **consts)
+            cfg = _BEST[best_key] = tuner.best_config
+        else:
+            compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
+    return compiled, cfg
 
 
-def launch(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> None:
-    """Launch ``kernel`` with runtime ``args`` (positional, so the pruner sees them by name) and the call's
-    constexprs: the one interpreter config when interpreting, on GPU the config autotuned for the first
-    launch of its size bucket (``bucketed_sizes``), then the compiled kernel, called directly."""
+def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> None:
+    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``.
+
+    ``tensors`` are the pointer arguments (first in the kernel's signature), ``runtime`` the scalars it never
+    specializes on (floats and ``do_not_specialize`` ints: dropout p and seed, scale, offsets; last).
+    ``signature`` is the caller's cheap summary of everything else (sizes, strides, dtypes, constexpr flags):
+    two calls with equal signatures must get equal ``build()`` results. ``build() -> (static, grid, consts)``
+    gives the size and stride arguments, the grid (a function of the config) and the call's constexprs; it
+    runs at a signature's first launch only. On GPU that launch autotunes (per size bucket,
+    ``bucketed_sizes``) and binds the compiled kernel; later launches call it directly. The interpreter runs
+    the one small config of ``INTERP_CONFIGS``.
+    """
     if interpreting():
-        kernel[grid](*args, **consts, **INTERP_CONFIGS[spec.name])
+        static, grid, consts = build()
+        kernel[grid](*tensors, *static, *runtime, **consts, **INTERP_CONFIGS[spec.name])
         return
-    key = _launch_key(spec, kernel, args, consts)
-    hit = _COMPILED.get(key)
-    if hit is None:
-        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-        best_key = (*key[:4], dtypes, key[5])
-        # Under the lock, so that the config read back is the one this call's launch chose (autograd's
-        # device thread may launch the same kernel for another key at the same time).
-        with _TUNING_LOCK:
-            cfg = _BEST.get(best_key)
-            if cfg is None:
-                tuner = _tuned(spec, kernel)
-                compiled = tuner[grid](*args, **consts)
-                cfg = _BEST[best_key] = tuner.best_config
-            else:
-                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
-        if isinstance(compiled, triton.compiler.CompiledKernel):
-            meta = {**consts, **cfg.kwargs}
-            tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
-            _COMPILED[key] = (compiled, meta, tail)
+    # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
+    key = (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
+           tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
+    bound = _BOUND.get(key)
+    if bound is not None:
+        bound.run(*tensors, *bound.static, *runtime, *bound.tail)
         return
-    compiled, meta, tail = hit
-    g = grid(meta) if callable(grid) else grid
-    compiled[(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*args, *tail)
+    static, grid, consts = build()
+    args = (*tensors, *static, *runtime)
+    compiled, cfg = _compile(spec, kernel, grid, args, consts)
+    if isinstance(compiled, triton.compiler.CompiledKernel):
+        meta = {**consts, **cfg.kwargs}
+        tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
+        g = grid(meta) if callable(grid) else grid
+        g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+        _BOUND[key] = Bound(compiled[g], static, tail, compiled, consts, cfg)

@@ -178,21 +178,21 @@ def lora_gemm(
             x, w_tma, w_nk, bias, s, f, out, keep_scale=keep_scale, p=p, seed_lo=seed_lo, seed_hi=seed_hi,
             n_offset=n_offset, lora_drop=lora_drop,
         )  # fmt: skip
-    args = (
-        x, w, bias if bias is not None else out, s, f, out, M, N_out, K_red, R,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-        f.stride(0), f.stride(1), out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-        float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset),
-    )  # fmt: skip
-    consts = {
-        "HAS_BIAS": bias is not None,
-        "LORA_DROP": lora_drop,
-        "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
-        **dot_options(x.dtype),
-    }
+    bias_arg = bias if bias is not None else out
 
-    def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),)
+    def build():
+        static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
+                  bias.stride(0) if bias is not None else 0)  # fmt: skip
+        consts = {
+            "HAS_BIAS": bias is not None,
+            "LORA_DROP": lora_drop,
+            "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
+            **dot_options(x.dtype),
+        }
+        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
-    launch(_SPEC, _lora_gemm_kernel, grid, args, consts)
+    signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
+                 s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
+    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
+    launch(_SPEC, _lora_gemm_kernel, signature, (x, w, bias_arg, s, f, out), runtime, build)
     return out

@@ -195,20 +195,16 @@ def _device_has_tma(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    """A TMA-describable 2-D operand: unit inner stride, 16-byte aligned base and row stride."""
-    elem = t.element_size()
-    return t.stride(1) == 1 and (t.stride(0) * elem) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def tma_rows(t: torch.Tensor) -> bool:
     """Whether the 2-D operand ``t`` can be read through a TMA descriptor: a 16-bit dtype on a Hopper-or-newer
-    GPU (or in the interpreter) with describable rows (unit inner stride, 16-byte aligned rows)."""
+    GPU (or in the interpreter) with describable rows (unit inner stride, 16-byte aligned base and rows)."""
     if t.dtype not in _TMA_DTYPES:
         return False
-    if not interpreting() and (t.device.type != "cuda" or not _device_has_tma(t.device.index or 0)):
+    # Asked several times per fwd+bwd: ``is_cuda`` / ``get_device()`` avoid building torch.device objects.
+    if not interpreting() and not (t.is_cuda and _device_has_tma(t.get_device())):
         return False
-    return _rows_ok(t)
+    row_stride, col_stride = t.stride()
+    return col_stride == 1 and row_stride % 8 == 0 and t.data_ptr() % 16 == 0  # 8 16-bit elements = 16 B
 
 
 def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
@@ -266,29 +262,33 @@ def lora_gemm_tma(
     M, K_red = x.shape
     N_out = out.shape[1]
     R = s.shape[1]
-    r_pad = pad_rank(R)
     num_sms = 2 if interpreting() else sm_count(x.device.index or 0)
     if not interpreting():
         ensure_allocator()
-    args = (
-        x, w, bias if bias is not None else out, s, f, out, M, N_out, K_red, R,
-        x.stride(0), w.stride(0), s.stride(0), s.stride(1), f.stride(0), f.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0,
-        float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset),
-    )  # fmt: skip
-    consts = {
-        "W_NK": w_nk,
-        "HAS_BIAS": bias is not None,
-        "LORA_DROP": lora_drop,
-        "R_PAD": r_pad,
-        "BLOCK_R": min(r_pad, MAX_BLOCK_R),
-        "NUM_SMS": num_sms,
-        **dot_options(x.dtype),
-    }
 
-    def grid(meta):
-        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"])
-        return (max(1, min(num_sms, tiles)),)
+    def build():
+        static = (M, N_out, K_red, R, x.stride(0), w.stride(0), *s.stride(), *f.stride(), out.stride(0),
+                  bias.stride(0) if bias is not None else 0)  # fmt: skip
+        r_pad = pad_rank(R)
+        consts = {
+            "W_NK": w_nk,
+            "HAS_BIAS": bias is not None,
+            "LORA_DROP": lora_drop,
+            "R_PAD": r_pad,
+            "BLOCK_R": min(r_pad, MAX_BLOCK_R),
+            "NUM_SMS": num_sms,
+            **dot_options(x.dtype),
+        }
 
-    launch(_SPEC, _lora_gemm_tma_kernel, grid, args, consts)
+        def grid(meta):
+            tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"])
+            return (max(1, min(num_sms, tiles)),)
+
+        return static, grid, consts
+
+    signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), s.shape,
+                 s.stride(), f.stride(), x.dtype, lora_drop, num_sms)  # fmt: skip
+    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
+    launch(_SPEC, _lora_gemm_tma_kernel, signature, (x, w, bias if bias is not None else out, s, f, out), runtime,
+           build)  # fmt: skip
     return out

@@ -34,8 +34,15 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
-def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tuple]) -> None:
-    """Every tensor: a Tensor of the expected rank and sizes, one dtype, one device."""
+# The size labels of every operand, for error messages.
+_LABELS = {
+    "x": ("M", "K"), "dy": ("M", "N"), "weight": ("N", "K"), "bias": ("N",), "lora_A": ("r", "K"),
+    "lora_B": ("N", "r"), "s_lora": ("M", "r"),
+}  # fmt: skip
+
+
+def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor: a Tensor of the expected sizes, one dtype, one device."""
     dtype = device = None
     for name, t in named.items():
         if t is None:
@@ -43,10 +50,10 @@ def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tu
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         want = expected[name]
-        if t.shape != tuple(n for _, n in want):
-            labels = "[" + ", ".join(label for label, _ in want) + "]"
-            sizes = ", ".join(f"{label}={n}" for label, n in want)
-            raise ValueError(f"{name} must have shape {labels} ({sizes}), got {_shape(t)}")
+        if t.shape != want:
+            labels = _LABELS[name]
+            sizes = ", ".join(f"{label}={n}" for label, n in zip(labels, want, strict=True))
+            raise ValueError(f"{name} must have shape [{', '.join(labels)}] ({sizes}), got {_shape(t)}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
         if dtype is None:
@@ -109,13 +116,7 @@ def forward(
     M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
     _check_tensors(
         {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
-        {
-            "x": (("M", M), ("K", K)),
-            "weight": (("N", N), ("K", K)),
-            "bias": (("N", N),),
-            "lora_A": (("r", r), ("K", K)),
-            "lora_B": (("N", N), ("r", r)),
-        },
+        {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
     )
     drop = _active(dropout)
     pre = drop is not None and drop.position == "pre"
@@ -147,14 +148,7 @@ def backward(
     M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
     _check_tensors(
         {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
-        {
-            "dy": (("M", M), ("N", N)),
-            "x": (("M", M), ("K", K)),
-            "weight": (("N", N), ("K", K)),
-            "lora_A": (("r", r), ("K", K)),
-            "lora_B": (("N", N), ("r", r)),
-            "s_lora": (("M", M), ("r", r)),
-        },
+        {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
     )
     return backward_unchecked(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx, needs_dA, needs_dB)
 

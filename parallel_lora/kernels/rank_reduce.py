@@ -239,28 +239,21 @@ def lora_adapter_grads(
     else:
         ws, count = out_a, out_a  # never touched with one split
     seed_lo, seed_hi = split_seed(seed)
-    args = (
-        feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count,
-        M, F_A, F_B, R, m_per_split, split,
-        feat_a.stride(0), feat_a.stride(1), g_a.stride(0), g_a.stride(1), out_a.stride(1), out_a.stride(0),
-        feat_b.stride(0), feat_b.stride(1), g_b.stride(0), g_b.stride(1), out_b.stride(0), out_b.stride(1),
-        (F_A + F_B) * r_pad,
-        1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset),
-    )  # fmt: skip
     a_tma = want_a and tma_rows(feat_a)
     b_tma = want_b and tma_rows(feat_b)
     if (a_tma or b_tma) and not interpreting():
         ensure_allocator()
-    consts = {
-        "DROP_A": drop_x and want_a,
-        "A_TMA": a_tma,
-        "B_TMA": b_tma,
-        "R_PAD": r_pad,
-        **dot_options(dtype),
-    }
 
-    def grid(meta):
-        return (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split)
+    def build():
+        static = (M, F_A, F_B, R, m_per_split, split, *feat_a.stride(), *g_a.stride(), out_a.stride(1),
+                  out_a.stride(0), *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
+        consts = {"DROP_A": drop_x and want_a, "A_TMA": a_tma, "B_TMA": b_tma, "R_PAD": r_pad, **dot_options(dtype)}
+        return static, lambda meta: (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split), consts
 
-    launch(_SPEC, _lora_adapter_grads_kernel, grid, args, consts)
+    # The outputs are fresh and contiguous, so their strides follow from the sizes.
+    signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(), dtype,
+                 drop_x and want_a, a_tma, b_tma, split > 1)  # fmt: skip
+    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset))
+    launch(_SPEC, _lora_adapter_grads_kernel, signature, (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count),
+           runtime, build)  # fmt: skip
     return dA, dB

@@ -120,15 +120,13 @@ def lora_shrink(
         return out
     c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
     seed_lo, seed_hi = split_seed(seed)
-    args = (
-        x, u, out, M, K, R,
-        x.stride(0), x.stride(1), u.stride(0), u.stride(1), out.stride(0), out.stride(1),
-        float(c), float(p), seed_lo, seed_hi, int(k_offset),
-    )  # fmt: skip
-    consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
 
-    def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]),)
+    def build():
+        static = (M, K, R, *x.stride(), *u.stride(), *out.stride())
+        consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
+        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
-    launch(_SPEC, _lora_shrink_kernel, grid, args, consts)
+    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, drop_post)
+    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
+    launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
     return out
