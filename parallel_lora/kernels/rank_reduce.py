@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
 from .configs import (
@@ -191,7 +192,8 @@ _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    # Triton's raw-stream query: ``torch.cuda.current_stream`` builds a Stream object at every call.
+    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
     key = (device, stream)
     ws, count = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < partials:
