@@ -281,7 +281,9 @@ class Bound:
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. Triton's own launch path re-binds
 # and re-specializes every argument and the autotuner rebuilds its key at each call (60-100 us of host time
 # per launch on the H200 machine's CPU, more than the small kernels run for); after a signature's first
-# launch we call its compiled kernel directly.
+# launch we call its compiled kernel directly. One entry per exact shape: a new token count costs one launch
+# through Triton's path (its binary is shared by the Ms Triton specializes alike; its config by the bucket).
+# Two threads binding one signature at once store equal entries.
 _BOUND: dict[tuple, Bound] = {}
 # (spec, kernel, device, bucketed sizes, tensor dtypes, constexprs) -> the config the autotuner chose for the
 # first token count M of that bucket.
