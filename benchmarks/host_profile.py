@@ -3,12 +3,13 @@
     python benchmarks/host_profile.py                          # M = 2048, 4096 -> 4096, r = 16, bf16
     python benchmarks/host_profile.py --shape 8192,4096,4096,16 --out host.json
 
-At M = 2048 our fwd+bwd is host-bound (the GPU work is ~0.3 ms). Each step of the path runs in a loop
-without synchronisation; per step it prints host microseconds per call (wall, main thread) next to the GPU
-microseconds per call of the same loop (CUDA events around it), so a step whose GPU time exceeds its host
-time is GPU-bound there and its host figure is a lower bound. Then ``--cprofile`` iterations of the layer's
-forward plus the fused backward (called on the main thread, where cProfile sees it) are profiled and the
-top functions by own time printed.
+At M = 2048 our fwd+bwd is host-bound (the GPU work is ~0.3 ms). Per step of the path it prints the host
+microseconds per call (a loop without synchronisation) next to the GPU microseconds of one call on an idle
+GPU (CUDA events around it, launch latency included). Then the autograd legs of one fwd+bwd (forward,
+hand-off to the device thread, our backward there, hand-back), and the per-repetition time of fwd+bwd as
+``do_bench`` takes it (``bench_lora.py``'s numbers), with and without its L2 clear, for our layer, our torch
+backend and plain torch ops. ``--cprofile N`` profiles N layer forwards plus fused backwards on the main
+thread; ``--trace`` writes a torch.profiler trace of a few ``do_bench``-style repetitions.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ def measure(fn, iters: int) -> tuple[float, float, int]:
     return host, min(gpu), len(configs._BOUND) - bound
 
 
+def rep_times(fn, clear_l2: bool, reps: int = 200) -> float:
+    """Median GPU microseconds between CUDA events around ``fn`` over back-to-back repetitions, as
+    ``triton.testing.do_bench`` times them, with or without its L2 clear before each repetition."""
+    from triton import runtime
+
+    cache = runtime.driver.active.get_empty_cache_for_benchmark()
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        if clear_l2:
+            runtime.driver.active.clear_cache(cache)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) * 1e3 for start, end in events)
+    return times[len(times) // 2]
+
+
 def autograd_timeline(layer, x, inputs, dy, iters: int) -> dict[str, float]:
     """Median host microseconds of each leg of ``autograd.grad(layer(x), inputs, dy)``: the forward, the
     engine's hand-off to its device thread, our backward there, and the hand-back to the main thread."""
@@ -101,7 +123,7 @@ def main():
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--cprofile", type=int, default=50, help="fwd+bwd iterations under cProfile (0: skip)")
     parser.add_argument("--out", default="")
-    parser.add_argument("--trace", default="", help="write a torch.profiler Chrome trace of 5 fwd+bwd here")
+    parser.add_argument("--trace", default="", help="write a torch.profiler Chrome trace of do_bench-style reps")
     args = parser.parse_args()
     M, K, N, r = (int(v) for v in args.shape.split(","))
     dev, dt = "cuda", torch.bfloat16
@@ -156,6 +178,19 @@ def main():
         print(f"{name:>32} | {host:8.1f} | {gpu:8.1f} | {binds}", flush=True)
     timeline = autograd_timeline(layer, xg, lora_inputs, dy, args.iters)
     print("one fwd+bwd through autograd, median us: " + ", ".join(f"{k} {v:.1f}" for k, v in timeline.items()))
+    # bench_lora.py times with do_bench, which clears L2 (a 256 MB memset) before every repetition and reads
+    # CUDA events around each; the same repetitions without the clear tell the memset's share apart.
+    A2, B2 = A.detach().clone().requires_grad_(True), B.detach().clone().requires_grad_(True)
+
+    def plain_fwdbwd():  # bench_lora.py's torch_eager: separate matmuls, scale, add
+        y = torch.nn.functional.linear(xg, W) + (xg @ A2.t()) @ B2.t() * s
+        return torch.autograd.grad(y, [xg, A2, B2], dy)
+
+    per_rep = {}
+    for name, fn in (("LoRALinear", layer_fwdbwd), ("torch backend", eager_fwdbwd), ("plain ops", plain_fwdbwd)):
+        per_rep[name] = {"do_bench": rep_times(fn, clear_l2=True), "no L2 clear": rep_times(fn, clear_l2=False)}
+        cells = ", ".join(f"{k} {v:.1f}" for k, v in per_rep[name].items())
+        print(f"{name} fwd+bwd, median us per repetition: {cells}")
     profile_text = ""
     if args.cprofile:
         layer_fwd()
@@ -175,14 +210,14 @@ def main():
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            for _ in range(5):
-                layer_fwdbwd()
-                eager_fwdbwd()
-            torch.cuda.synchronize()
+        # Without Python stacks (they inflate host time several-fold): do_bench-style repetitions of each.
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rep_times(layer_fwdbwd, clear_l2=True, reps=5)
+            rep_times(eager_fwdbwd, clear_l2=True, reps=5)
         prof.export_chrome_trace(args.trace)
     if args.out:
         out = {"shape": [M, K, N, r], "gpu": torch.cuda.get_device_name(), "rows": rows, "timeline": timeline,
+               "per_rep": per_rep,
                "cprofile": profile_text}
         Path(args.out).write_text(json.dumps(out, indent=1))
 
