@@ -2,6 +2,7 @@
 
     python benchmarks/python_overhead.py            # M, K, N, r = 16, 64, 64, 16 (tiny: little CPU compute)
     python benchmarks/python_overhead.py --profile  # and a cProfile of the fwd+bwd, by own time
+    python benchmarks/python_overhead.py --tp       # also the TP layers at world size 1 (gloo)
 
 Every kernel launch is replaced by a no-op (the Triton interpreter is switched on only so that CPU tensors
 pass the kernels' device check), so what is timed is the Python around the launches: the layer, the dtype
@@ -43,11 +44,33 @@ def best_us(fn, iters: int) -> float:
     return best
 
 
+def tp_rows(layer: LoRALinear, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """fwd+bwd of copies of ``layer`` as column- and row-parallel layers on a one-rank gloo mesh."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel_lora import ColumnParallelLoRALinear, RowParallelLoRALinear
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29551")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    rows = {}
+    for cls in (ColumnParallelLoRALinear, RowParallelLoRALinear):
+        tp_layer = cls.from_lora_linear(copy.deepcopy(layer), mesh)
+        inputs = [x, tp_layer.lora_A.weight, tp_layer.lora_B.weight]
+        rows[f"{cls.__name__} fwd+bwd"] = lambda m=tp_layer, i=inputs: torch.autograd.grad(m(x), i, dy)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="16,64,64,16", help="M,K,N,r")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--tp", action="store_true", help="also Column/RowParallelLoRALinear on a 1-rank gloo mesh")
     args = parser.parse_args()
     M, K, N, r = (int(v) for v in args.shape.split(","))
     for module in (gemm, gemm_tma, shrink, rank_reduce):
@@ -73,6 +96,8 @@ def main():
         "ours fwd+bwd (launches stubbed)": ours_fwdbwd,
         "PEFT-style eager fwd+bwd (real CPU ops)": eager_fwdbwd,
     }
+    if args.tp:
+        rows.update(tp_rows(layer, x, dy))
     for name, fn in rows.items():
         print(f"{name:>42}: {best_us(fn, args.iters):7.1f} us")
     if args.profile:
@@ -82,6 +107,8 @@ def main():
             ours_fwdbwd()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
