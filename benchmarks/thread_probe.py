@@ -107,8 +107,7 @@ def main():
     lora_shrink(dy, B, 2.0)
     shrink.launch = launch
     spec, kernel, signature, tensors, runtime = shrink_call
-    key = (spec.name, kernel.__name__, torch.cuda.current_device(), signature, tuple(True for _ in tensors))
-    bound = configs._BOUND[key]
+    bound = configs._BOUND[configs.bound_key(spec, kernel, signature, tensors)]
 
     def pure_python():
         s = 0

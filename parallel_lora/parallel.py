@@ -206,12 +206,14 @@ class _ParallelLoRALinear(nn.Module):
         dtype = compute_dtype(x, w_local)
         return backend, dtype, cast_to(x, dtype), cast_to(w_local, dtype)
 
-    def _local_factors(self, dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local_factors(
+        self, dtype: torch.dtype, backend: str, group: torch.distributed.ProcessGroup
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local adapter shards; the replicated one gets its gradient all-reduced (in its own dtype, before
         the cast to the compute dtype is undone) once per backward, unless inside ``no_sync``."""
         replicated = LAYOUTS[self.kind].replicated_factor
         a_local, b_local = adapter_shards(
-            self.lora_A.weight, self.lora_B.weight, replicated, self._group(), self.grad_sync
+            self.lora_A.weight, self.lora_B.weight, replicated, group, self.grad_sync
         )
         if backend == "triton":  # one operand dtype per kernel
             a_local, b_local = cast_to(a_local, dtype), cast_to(b_local, dtype)
@@ -244,7 +246,7 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
         comm = SequenceGather(self.sequence_dim, group) if self.sequence_parallel else ReplicatedInput(group)
         if self.merged or not self.adapter_enabled:
             return nn.functional.linear(input_comm(x, comm), w_local, b_local)
-        a_local, b_lora = self._local_factors(dtype, backend)
+        a_local, b_lora = self._local_factors(dtype, backend, group)
         return LoRALinearFunction.apply(
             x, w_local, b_local, a_local, b_lora, float(self.scale), self._dropout(0), backend, comm
         )
@@ -278,7 +280,7 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
         if self.merged or not self.adapter_enabled:
             y = output_comm(nn.functional.linear(x, w_local), comm)
         else:
-            a_local, b_lora = self._local_factors(dtype, backend)
+            a_local, b_lora = self._local_factors(dtype, backend, group)
             k_offset = self.mesh.get_local_rank() * (self.in_features // tp)
             y = LoRALinearFunction.apply(
                 x, w_local, None, a_local, b_lora, float(self.scale), self._dropout(k_offset), backend, None, comm

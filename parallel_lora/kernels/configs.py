@@ -323,6 +323,13 @@ def _compile(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
     return compiled, cfg
 
 
+def bound_key(spec: KernelSpec, kernel, signature: tuple, tensors: tuple) -> tuple:
+    """The ``_BOUND`` key of a launch on the current device."""
+    # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
+    return (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
+            tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
+
+
 def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> None:
     """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``.
 
@@ -339,9 +346,7 @@ def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: 
         static, grid, consts = build()
         kernel[grid](*tensors, *static, *runtime, **consts, **INTERP_CONFIGS[spec.name])
         return
-    # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
-    key = (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
-           tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
+    key = bound_key(spec, kernel, signature, tensors)
     bound = _BOUND.get(key)
     if bound is not None:
         bound.run(*tensors, *bound.static, *runtime, *bound.tail)
