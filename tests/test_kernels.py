@@ -187,17 +187,17 @@ def _patch_launches(monkeypatch, fn) -> None:
 
 
 def _count_launches(monkeypatch) -> list[str]:
-    """Record the kernel of every launch the LoRA kernels make."""
+    """Record the kernel of every launch the LoRA kernels make (first launches of a layout and bound ones)."""
     from parallel_lora.kernels import configs
 
     launched = []
-    real = configs.launch
+    real = configs.Bound.launch
 
-    def spy(spec, *args):
-        launched.append(spec.name)
-        return real(spec, *args)
+    def spy(self, tensors, runtime):
+        launched.append(self.name)
+        return real(self, tensors, runtime)
 
-    _patch_launches(monkeypatch, spy)
+    monkeypatch.setattr(configs.Bound, "launch", spy)
     return launched
 
 
@@ -510,6 +510,110 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
     assert len(seen) > 100
 
 
+def _layouts(M, K, N, r, dtype, bias):
+    """One problem under several operand layouts: transposed storage, and rows shifted off 16-byte alignment."""
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
+
+    def shifted(t):  # same values, storage one element further on: its address is no longer 16-byte aligned
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view_as(t)
+
+    return b, [
+        (x, weight, lora_A, lora_B, dy),
+        (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
+        (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
+        (shifted(x), weight, lora_A, lora_B, shifted(dy)),
+    ]
+
+
+def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):
+    # kernels.forward / backward bind their launch sites to the op's key (every operand's layout, the dropout
+    # position, the wanted grads) and skip the wrappers' own signatures at later calls: two calls with equal
+    # keys whose wrappers would launch differently would run one with the other's strides. Record, per key,
+    # what the wrappers launch with the sites always empty.
+    from parallel_lora.kernels import lora
+
+    launched: list[tuple] = []
+
+    def record(spec, kernel, signature, tensors, runtime, build):
+        launched.append((spec.name, signature, tuple(t.data_ptr() % 16 == 0 for t in tensors), build()[0]))
+
+    _patch_launches(monkeypatch, record)
+    seen: dict[tuple, list] = {}
+
+    def check(key, op, *args):
+        lora._FORWARD_SITES.clear()
+        lora._BACKWARD_SITES.clear()
+        launched.clear()
+        out = op(*args)
+        assert seen.setdefault(key, list(launched)) == launched, key
+        return out
+
+    for M, K, N, r in [(40, 48, 56, 8), (41, 48, 56, 8), (40, 56, 48, 16), (1, 48, 56, 8)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for bias in (True, False):
+                b, layouts = _layouts(M, K, N, r, dtype, bias)
+                for x, weight, lora_A, lora_B, dy in layouts:
+                    for drop in DROPOUTS.values():
+                        mode = lora._active(drop).position if lora._active(drop) else None
+                        key = lora.forward_key(x, weight, b, lora_A, lora_B, mode)
+                        _, s_lora = check(key, kernels.forward, x, weight, b, lora_A, lora_B, SCALE, drop)
+                        for needs in ((True, True, True), (False, True, True), (True, False, False)):
+                            key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
+                            check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
+    assert {name for launches in seen.values() for name, *_ in launches} == {"shrink", "gemm", "gemm_tma", "reduce"}
+    assert len(seen) > 100
+
+
+def test_bound_launch_sites_give_the_first_calls_results_bit_for_bit(monkeypatch):
+    # The second call of a layout launches the kernels bound at its first call (no wrapper signature, no
+    # checks); it must compute exactly what the first did, with new values in the same layout, and a new
+    # layout must not reuse another's sites.
+    from parallel_lora.kernels import configs, lora
+
+    lora._FORWARD_SITES.clear()
+    lora._BACKWARD_SITES.clear()
+    slow = []
+    real = configs.launch
+
+    def spy(*args):
+        slow.append(args[0].name)
+        return real(*args)
+
+    _patch_launches(monkeypatch, spy)
+    for dtype in (torch.float32, torch.bfloat16):
+        b, layouts = _layouts(37, 48, 40, 8, dtype, bias=True)
+        for x, weight, lora_A, lora_B, dy in layouts:
+            for drop in DROPOUTS.values():
+                first = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                first_bwd = kernels.backward(dy, x, weight, lora_A, lora_B, first[1], SCALE, drop)
+                slow.clear()
+                again = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                again_bwd = kernels.backward(dy, x, weight, lora_A, lora_B, again[1], SCALE, drop)
+                assert slow == [], "a layout seen before went through the wrappers' first-launch path"
+                for a, c in zip((*first, *first_bwd), (*again, *again_bwd), strict=True):
+                    assert torch.equal(a, c)
+                # New values, same layout: bound sites, results of the new values.
+                with torch.no_grad():
+                    x.mul_(0.5)
+                y, _ = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
+                mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
+                assert_matches("y", y, ref[0], mag[0], dtype)
+                with torch.no_grad():
+                    x.mul_(2.0)
+
+
+def test_a_bound_layout_still_checks_scale_and_dropout():
+    x, weight, b, lora_A, lora_B, _ = make_inputs(8, 16, 8, 4, torch.bfloat16)
+    kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    with pytest.raises(ValueError, match="scale must be a finite float"):
+        kernels.forward(x, weight, b, lora_A, lora_B, float("nan"), None)
+    with pytest.raises(ValueError, match="dropout must be a parallel_lora.dropout.Dropout"):
+        kernels.forward(x, weight, b, lora_A, lora_B, SCALE, 0.1)
+    with pytest.raises(ValueError, match="x must be a 2-D tensor"):
+        kernels.forward(None, weight, b, lora_A, lora_B, SCALE, None)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: real shapes (skipped without CUDA).
 # ---------------------------------------------------------------------------------------------------------
@@ -575,7 +679,11 @@ def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
     storage = torch.randn(520 * 256 + 1, device="cuda").to(torch.bfloat16)
     x_off = storage[1:].view(520, 256)  # 2 bytes past a 16-byte boundary: no TMA, no alignment hint
     x_off.copy_(x)
+    from parallel_lora.kernels import lora
+
     kconfigs._BOUND.clear()
+    lora._FORWARD_SITES.clear()  # the op's launch sites hold bound kernels too
+    lora._BACKWARD_SITES.clear()
     for operand in (x, x, x_off, x_off, x):
         check_against_eager(operand, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
     keys = list(kconfigs._BOUND)

@@ -268,14 +268,32 @@ def tuned_summary() -> dict[str, list[str]]:
 @dataclass(frozen=True)
 class Bound:
     """A kernel bound to one launch signature: its compiled kernel called at a fixed grid, the size and stride
-    arguments, and the constexpr tail (the call's constexprs and the tuned config)."""
+    arguments, and the constexpr tail (the call's constexprs and the tuned config). Under the interpreter,
+    ``run`` calls the kernel through Triton with the one interpreter config, and there is no compiled kernel."""
 
+    name: str  # the KernelSpec's name
     run: Callable  # the compiled kernel's runner at this grid
     static: tuple  # the sizes and strides, between the tensors and the runtime scalars
     tail: tuple  # constexpr values, in the kernel's argument order after the runtime scalars
-    compiled: triton.compiler.CompiledKernel
+    compiled: triton.compiler.CompiledKernel | None
     consts: dict  # the call's constexprs
-    config: triton.Config  # the tuned config it was compiled with
+    config: triton.Config | None  # the tuned config it was compiled with
+
+    def launch(self, tensors: tuple, runtime: tuple) -> None:
+        """Launch on new tensors of the bound layout (only their addresses are read) and runtime scalars."""
+        self.run(*tensors, *self.static, *runtime, *self.tail)
+
+
+class Site:
+    """One launch of an op (``kernels.lora``) for one operand layout: the wrapper fills it at the layout's first
+    call (``bound``, plus the wrapper's own layout-derived choices in ``info``) and at later calls launches
+    ``bound`` directly, skipping its signature, its checks and the ``_BOUND`` lookup."""
+
+    __slots__ = ("bound", "info")
+
+    def __init__(self):
+        self.bound: Bound | None = None
+        self.info: tuple = ()
 
 
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. Triton's own launch path re-binds
@@ -330,8 +348,8 @@ def bound_key(spec: KernelSpec, kernel, signature: tuple, tensors: tuple) -> tup
             tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
 
 
-def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> None:
-    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``.
+def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> Bound:
+    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``; returns the ``Bound`` it launched.
 
     ``tensors`` are the pointer arguments (first in the kernel's signature), ``runtime`` the scalars it never
     specializes on (floats and ``do_not_specialize`` ints: dropout p and seed, scale, offsets; last).
@@ -344,19 +362,29 @@ def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: 
     """
     if interpreting():
         static, grid, consts = build()
-        kernel[grid](*tensors, *static, *runtime, **consts, **INTERP_CONFIGS[spec.name])
-        return
+        cfg = INTERP_CONFIGS[spec.name]
+
+        def run(*args):
+            kernel[grid](*args, **consts, **cfg)
+
+        bound = Bound(spec.name, run, static, (), None, consts, None)
+        bound.launch(tensors, runtime)
+        return bound
     key = bound_key(spec, kernel, signature, tensors)
     bound = _BOUND.get(key)
     if bound is not None:
-        bound.run(*tensors, *bound.static, *runtime, *bound.tail)
-        return
+        bound.launch(tensors, runtime)
+        return bound
     static, grid, consts = build()
     args = (*tensors, *static, *runtime)
     compiled, cfg = _compile(spec, kernel, grid, args, consts)
-    if isinstance(compiled, triton.compiler.CompiledKernel):
-        meta = {**consts, **cfg.kwargs}
-        tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
-        g = grid(meta) if callable(grid) else grid
-        g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-        _BOUND[key] = Bound(compiled[g], static, tail, compiled, consts, cfg)
+    if not isinstance(compiled, triton.compiler.CompiledKernel):
+        # A Triton that hands back no compiled kernel: later calls of this Bound go through its own path.
+        run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
+        return Bound(spec.name, run, static, (), None, consts, cfg)
+    meta = {**consts, **cfg.kwargs}
+    tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
+    g = grid(meta) if callable(grid) else grid
+    g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+    bound = _BOUND[key] = Bound(spec.name, compiled[g], static, tail, compiled, consts, cfg)
+    return bound

@@ -25,10 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, pad_rank, split_seed
-from .configs import GEMM_KEY, MAX_BLOCK_R, KernelSpec, gemm_configs, gemm_fits, gemm_smem, gemm_work, launch
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
+from .configs import (
+    GEMM_KEY,
+    MAX_BLOCK_R,
+    KernelSpec,
+    Site,
+    gemm_configs,
+    gemm_fits,
+    gemm_smem,
+    gemm_work,
+    launch,
+)
 from .dropout_mask import keep_tile
-from .gemm_tma import lora_gemm_tma, tma_compatible
+from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -145,7 +155,6 @@ _SPEC = KernelSpec(
 )
 
 
-
 def lora_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -157,42 +166,53 @@ def lora_gemm(
     seed: int = 0,
     n_offset: int = 0,
     lora_drop: bool = False,
+    site: Site | None = None,
 ) -> torch.Tensor:
     """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``; any
     strides (``w`` may be ``W.t()``). ``drop`` (when ``lora_drop``) is the "pre" keep-mask of output columns
-    shifted by ``n_offset``, times ``1/(1-p)``. Inputs are assumed checked by the caller."""
-    M, K_red = x.shape
+    shifted by ``n_offset``, times ``1/(1-p)``. Inputs are assumed checked by the caller, which passes a
+    ``site`` bound to this operand layout (filled here at the layout's first call)."""
+    M = x.shape[0]
     N_out = w.shape[1]
-    R = s.shape[1]
     out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
     if M == 0 or N_out == 0:
         return out
     seed_lo, seed_hi = split_seed(seed)
     keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
+    # Both kernels take (x, w, bias, s, f, out) and these runtime scalars. The TMA kernel may read w through
+    # w.t(): the same address, and a launch reads only the tensors' addresses.
+    tensors = (x, w, bias if bias is not None else out, s, f, out)
+    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
+    if site is not None and site.bound is not None:
+        if site.info[0]:
+            ensure_allocator()
+        site.bound.launch(tensors, runtime)
+        return out
+    K_red = x.shape[1]
+    R = s.shape[1]
     # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
     # for dx, or W = w.t() for y.
     w_nk = w.stride(0) == 1 and w.stride(1) != 1
     w_tma = w.t() if w_nk else w
-    if tma_compatible(x, w_tma, N_out):
-        return lora_gemm_tma(
-            x, w_tma, w_nk, bias, s, f, out, keep_scale=keep_scale, p=p, seed_lo=seed_lo, seed_hi=seed_hi,
-            n_offset=n_offset, lora_drop=lora_drop,
-        )  # fmt: skip
-    bias_arg = bias if bias is not None else out
+    use_tma = tma_compatible(x, w_tma, N_out)
+    if use_tma:
+        bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop)
+    else:
 
-    def build():
-        static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
-                  bias.stride(0) if bias is not None else 0)  # fmt: skip
-        consts = {
-            "HAS_BIAS": bias is not None,
-            "LORA_DROP": lora_drop,
-            "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
-            **dot_options(x.dtype),
-        }
-        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
+        def build():
+            static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
+                      bias.stride(0) if bias is not None else 0)  # fmt: skip
+            consts = {
+                "HAS_BIAS": bias is not None,
+                "LORA_DROP": lora_drop,
+                "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
+                **dot_options(x.dtype),
+            }
+            return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
-    signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
-                 s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
-    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
-    launch(_SPEC, _lora_gemm_kernel, signature, (x, w, bias_arg, s, f, out), runtime, build)
+        signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
+                     s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
+        bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
+    if site is not None:
+        site.bound, site.info = bound, (use_tma and not interpreting(),)
     return out

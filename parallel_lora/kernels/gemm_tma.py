@@ -38,6 +38,7 @@ from ._interp import cdiv, dot_options, interpreting, pad_rank
 from .configs import (
     GEMM_KEY,
     MAX_BLOCK_R,
+    Bound,
     KernelSpec,
     gemm_fits,
     gemm_tma_configs,
@@ -249,16 +250,14 @@ def lora_gemm_tma(
     s: torch.Tensor,
     f: torch.Tensor,
     out: torch.Tensor,
+    tensors: tuple,
+    runtime: tuple,
     *,
-    keep_scale: float,
-    p: float,
-    seed_lo: int,
-    seed_hi: int,
-    n_offset: int,
     lora_drop: bool,
-) -> torch.Tensor:
+) -> Bound:
     """Fill ``out [M, N_out]`` with ``x @ (w.T if w_nk else w) (+ bias) + drop(s @ f)``; operands checked by
-    ``tma_compatible`` and the caller."""
+    ``tma_compatible`` and the caller (``gemm.lora_gemm``), which also gives the launch's pointer arguments
+    ``tensors`` and ``runtime`` scalars (``keep_scale, p, seed_lo, seed_hi, n_offset``). Returns the Bound."""
     M, K_red = x.shape
     N_out = out.shape[1]
     R = s.shape[1]
@@ -288,7 +287,4 @@ def lora_gemm_tma(
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), s.shape,
                  s.stride(), f.stride(), x.dtype, lora_drop, num_sms)  # fmt: skip
-    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
-    launch(_SPEC, _lora_gemm_tma_kernel, signature, (x, w, bias if bias is not None else out, s, f, out), runtime,
-           build)  # fmt: skip
-    return out
+    return launch(_SPEC, _lora_gemm_tma_kernel, signature, tensors, runtime, build)

@@ -23,6 +23,7 @@ import torch
 
 from ..dropout import Dropout
 from ._interp import MAX_RANK, interpreting
+from .configs import Site
 from .gemm import lora_gemm
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
@@ -79,6 +80,11 @@ def _check_common(x, weight, lora_A, lora_B, scale, dropout) -> tuple[int, int, 
     r = lora_A.shape[0]
     if not 1 <= r <= MAX_RANK:
         raise ValueError(f"the LoRA rank r = lora_A.shape[0] must be in [1, {MAX_RANK}], got {r}")
+    _check_scalars(scale, dropout)
+    return M, K, N, r
+
+
+def _check_scalars(scale, dropout) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if dropout is not None:
@@ -90,7 +96,39 @@ def _check_common(x, weight, lora_A, lora_B, scale, dropout) -> tuple[int, int, 
             raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
         if dropout.k_offset < 0:
             raise ValueError(f"dropout.k_offset must be >= 0, got {dropout.k_offset}")
-    return M, K, N, r
+
+
+def _device_key(x: torch.Tensor) -> tuple[int, int]:
+    """x's device index and the current CUDA device (a kernel is loaded and launched on the current one)."""
+    index = x.get_device()
+    return index, torch.cuda.current_device() if index >= 0 else -1
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """Everything about an operand that its checks and its kernels' launches depend on, but its address."""
+    if t is None:
+        return None
+    # Triton specializes pointers on 16-byte alignment; get_device() is -1 on the CPU (the interpreter).
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16
+
+
+def forward_key(x, weight, bias, lora_A, lora_B, mode: str | None) -> tuple:
+    """The ``_FORWARD_SITES`` key: the devices, every operand's layout and the dropout position (or None)."""
+    return _device_key(x), _layout(x), _layout(weight), _layout(bias), _layout(lora_A), _layout(lora_B), mode
+
+
+def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs: bool) -> tuple:
+    """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
+    layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
+    return _device_key(dy), *layouts, mode, *needs
+
+
+# (operand layouts, dropout position, wanted grads) -> the op's launch sites, filled at the layout's first
+# call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
+# checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
+# machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
+_FORWARD_SITES: dict[tuple, tuple[Site, Site]] = {}
+_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site]] = {}
 
 
 def _active(dropout: Dropout | None) -> Dropout | None:
@@ -113,19 +151,30 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` (one dtype, any strides)
     -> ``(y [M, N], S [M, r])`` in ``x.dtype``. ``M == 0`` returns empty outputs without a launch."""
-    M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
-    _check_tensors(
-        {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
-        {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
-    )
+    _check_scalars(scale, dropout)
     drop = _active(dropout)
-    pre = drop is not None and drop.position == "pre"
-    post = drop is not None and drop.position == "post"
+    mode = None if drop is None else drop.position
+    try:
+        key = forward_key(x, weight, bias, lora_A, lora_B, mode)
+    except AttributeError:  # not a tensor: the checks say which
+        key = None
+    sites = _FORWARD_SITES.get(key)
+    if sites is None:
+        M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
+        _check_tensors(
+            {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
+            {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
+        )
+        sites = (Site(), Site())
+    pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     s_lora = lora_shrink(
-        x, lora_A.t(), float(scale), drop_pre=pre, drop_post=post, k_offset=k_offset, **_drop_kwargs(drop)
-    )
-    y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t())
+        x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=k_offset,
+        **_drop_kwargs(drop), site=sites[0],
+    )  # fmt: skip
+    y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=sites[1])
+    if key is not None:
+        _FORWARD_SITES[key] = sites
     return y, s_lora
 
 
@@ -170,21 +219,26 @@ def backward_unchecked(
     checked ``forward`` saved, and autograd hands it ``dy`` in the output's shape, dtype and device. The
     checks cost about as much host time as one kernel launch (they run on autograd's device thread)."""
     drop = _active(dropout)
-    pre = drop is not None and drop.position == "pre"
-    post = drop is not None and drop.position == "post"
+    mode = None if drop is None else drop.position
+    pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
+    key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
+    sites = _BACKWARD_SITES.get(key)
+    if sites is None:
+        sites = _BACKWARD_SITES[key] = (Site(), Site(), Site())
     dx = dA = dB = None
     # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
     # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
     g = None
     if needs_dx or needs_dA:
-        g = lora_shrink(dy, lora_B, float(scale), drop_post=post, **_drop_kwargs(drop))
+        g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
     if needs_dx:
-        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop))
+        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
+                       site=sites[1])  # fmt: skip
     if needs_dA or needs_dB:
         dA, dB = lora_adapter_grads(
             x if needs_dA else None, g if needs_dA else None,
             dy if needs_dB else None, s_lora if needs_dB else None,
-            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop),
+            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
         )  # fmt: skip
     return dx, dA, dB

@@ -34,6 +34,7 @@ from .configs import (
     REDUCE_M_ALIGN_GPU,
     REDUCE_M_ALIGN_INTERP,
     KernelSpec,
+    Site,
     launch,
     reduce_configs,
     reduce_fits,
@@ -214,12 +215,13 @@ def lora_adapter_grads(
     seed: int = 0,
     f_offset: int = 0,
     drop_x: bool = False,
+    site: Site | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
     from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in the operands' (one) dtype. Pass ``None`` for
     both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with ``drop_x`` (the "pre"
     mask of x's columns shifted by ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked
-    by the caller."""
+    by the caller, which passes a ``site`` bound to this operand layout (filled here at its first call)."""
     want_a, want_b = x is not None, dy is not None
     # A gradient not wanted gets zero columns and borrows the other's tensors (its programs never run).
     feat_a, g_a = (x, g) if want_a else (dy, s_lora)
@@ -234,17 +236,28 @@ def lora_adapter_grads(
         return tuple(None if t is None else t.zero_() for t in (dA, dB))
     out_a = dA if want_a else dB
     out_b = dB if want_b else dA
-    split, m_per_split = split_rows(M, F_A + F_B, dev)
-    r_pad = pad_rank(R)
+    hit = site is not None and site.bound is not None
+    if hit:
+        split, partials, tma = site.info
+    else:
+        split, m_per_split = split_rows(M, F_A + F_B, dev)
+        r_pad = pad_rank(R)
+        partials = split * (F_A + F_B) * r_pad
+        a_tma = want_a and tma_rows(feat_a)
+        b_tma = want_b and tma_rows(feat_b)
+        tma = (a_tma or b_tma) and not interpreting()
     if split > 1:
-        ws, count = _workspace(dev, split * (F_A + F_B) * r_pad, F_A + F_B)
+        ws, count = _workspace(dev, partials, F_A + F_B)
     else:
         ws, count = out_a, out_a  # never touched with one split
-    seed_lo, seed_hi = split_seed(seed)
-    a_tma = want_a and tma_rows(feat_a)
-    b_tma = want_b and tma_rows(feat_b)
-    if (a_tma or b_tma) and not interpreting():
+    if tma:
         ensure_allocator()
+    seed_lo, seed_hi = split_seed(seed)
+    tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
+    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset))
+    if hit:
+        site.bound.launch(tensors, runtime)
+        return dA, dB
 
     def build():
         static = (M, F_A, F_B, R, m_per_split, split, *feat_a.stride(), *g_a.stride(), out_a.stride(1),
@@ -255,7 +268,7 @@ def lora_adapter_grads(
     # The outputs are fresh and contiguous, so their strides follow from the sizes.
     signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(), dtype,
                  drop_x and want_a, a_tma, b_tma, split > 1)  # fmt: skip
-    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset))
-    launch(_SPEC, _lora_adapter_grads_kernel, signature, (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count),
-           runtime, build)  # fmt: skip
+    bound = launch(_SPEC, _lora_adapter_grads_kernel, signature, tensors, runtime, build)
+    if site is not None:
+        site.bound, site.info = bound, (split, partials, tma)
     return dA, dB

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._interp import cdiv, dot_options, pad_rank, split_seed
-from .configs import KernelSpec, launch, shrink_configs, shrink_fits, shrink_smem
+from .configs import KernelSpec, Site, launch, shrink_configs, shrink_fits, shrink_smem
 from .dropout_mask import keep_tile
 
 
@@ -109,17 +109,24 @@ def lora_shrink(
     k_offset: int = 0,
     drop_pre: bool = False,
     drop_post: bool = False,
+    site: Site | None = None,
 ) -> torch.Tensor:
     """``x [M, K]``, ``u [K, r]`` (any strides, e.g. ``A.t()``) -> ``c * drop_post(drop_pre(x) @ u) [M, r]``
     in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``. Inputs are
-    assumed checked by the caller (``parallel_lora.kernels.lora``)."""
-    M, K = x.shape
+    assumed checked by the caller (``parallel_lora.kernels.lora``), which passes a ``site`` bound to this
+    operand layout (filled here at the layout's first call)."""
+    M = x.shape[0]
     R = u.shape[1]
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
     c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
     seed_lo, seed_hi = split_seed(seed)
+    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
+    if site is not None and site.bound is not None:
+        site.bound.launch((x, u, out), runtime)
+        return out
+    K = x.shape[1]
 
     def build():
         static = (M, K, R, *x.stride(), *u.stride(), *out.stride())
@@ -127,6 +134,7 @@ def lora_shrink(
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
     signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, drop_post)
-    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
-    launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
+    bound = launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
+    if site is not None:
+        site.bound = bound
     return out
