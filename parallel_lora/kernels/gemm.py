@@ -214,5 +214,5 @@ def lora_gemm(
                      s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
         bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
     if site is not None:
-        site.bound, site.info = bound, (use_tma and not interpreting(),)
+        site.info, site.bound = (use_tma and not interpreting(),), bound
     return out

@@ -173,7 +173,7 @@ def forward(
         **_drop_kwargs(drop), site=sites[0],
     )  # fmt: skip
     y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=sites[1])
-    if key is not None:
+    if key is not None:  # stored once filled: another thread never reads a half-bound site
         _FORWARD_SITES[key] = sites
     return y, s_lora
 
@@ -223,9 +223,7 @@ def backward_unchecked(
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
-    sites = _BACKWARD_SITES.get(key)
-    if sites is None:
-        sites = _BACKWARD_SITES[key] = (Site(), Site(), Site())
+    sites = _BACKWARD_SITES.get(key) or (Site(), Site(), Site())
     dx = dA = dB = None
     # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
     # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
@@ -241,4 +239,6 @@ def backward_unchecked(
             dy if needs_dB else None, s_lora if needs_dB else None,
             drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
         )  # fmt: skip
+    # Stored once filled: another thread never reads a half-bound site.
+    _BACKWARD_SITES[key] = sites
     return dx, dA, dB

@@ -270,5 +270,5 @@ def lora_adapter_grads(
                  drop_x and want_a, a_tma, b_tma, split > 1)  # fmt: skip
     bound = launch(_SPEC, _lora_adapter_grads_kernel, signature, tensors, runtime, build)
     if site is not None:
-        site.bound, site.info = bound, (split, partials, tma)
+        site.info, site.bound = (split, partials, tma), bound
     return dA, dB
