@@ -798,7 +798,9 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
     limit = kconfigs.max_shared_mem(torch.cuda.current_device())
     checked = []
 
-    def compile_each(spec, kernel, grid, args, consts):
+    def compile_each(spec, kernel, signature, tensors, runtime, build):
+        static, grid, consts = build()
+        args = (*tensors, *static, *runtime)
         nargs = dict(zip(kernel.arg_names, args, strict=False))
         elem = nargs[spec.dtype_arg].element_size()
         for cfg in spec.configs():
