@@ -157,7 +157,7 @@ def main():
         "check_inputs": lambda: check_inputs(x, W, None, A, B, s),
         "resolve_backend": lambda: resolve_backend("triton", x.device),
         "canonicalize": lambda: canonicalize(x, W, None, A, B, cast_adapters=True),
-        "kernels._check_common": lambda: kernels.lora._check_common(x, W, Ad, Bd, s, None),
+        "kernels._check_sizes": lambda: kernels.lora._check_sizes(x, W, Ad, Bd),
         "lora_shrink(x)": lambda: lora_shrink(x, Ad.t(), s),
         "lora_gemm(y)": lambda: lora_gemm(x, W.t(), None, S, Bd.t()),
         "lora_shrink(dy)": lambda: lora_shrink(dy, Bd, s),

@@ -475,6 +475,23 @@ def test_launch_sizes_bucket_the_token_count_and_keep_the_layer_sizes():
         kconfigs.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
 
 
+def _layouts(M, K, N, r, dtype, bias):
+    """One problem under several operand layouts: transposed storage (of all, of the adapters, of dy alone), and
+    rows shifted off 16-byte alignment."""
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
+
+    def shifted(t):  # same values, storage one element further on: its address is no longer 16-byte aligned
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view_as(t)
+
+    return b, [
+        (x, weight, lora_A, lora_B, dy),
+        (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
+        (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
+        (x, weight, lora_A, lora_B, dy.t().contiguous().t()),
+        (shifted(x), weight, lora_A, lora_B, shifted(dy)),
+    ]
+
+
 def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scalars(monkeypatch):
     # On GPU a signature's first launch binds its compiled kernel, grid and size/stride arguments, and every
     # later launch with an equal signature reuses them: two calls whose signatures match but whose build()
@@ -494,13 +511,7 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
     for M, K, N, r in [(40, 48, 56, 8), (41, 48, 56, 8), (40, 56, 48, 8), (40, 48, 56, 16), (1, 48, 56, 8)]:
         for dtype in (torch.float32, torch.bfloat16):
             for bias in (True, False):
-                x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
-                layouts = [
-                    (x, weight, lora_A, lora_B, dy),
-                    (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
-                    (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
-                    (x, weight, lora_A, lora_B, dy.t().contiguous().t()),
-                ]
+                b, layouts = _layouts(M, K, N, r, dtype, bias)
                 for xi, wi, ai, bi, dyi in layouts:
                     for drop in DROPOUTS.values():
                         _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
@@ -508,21 +519,6 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
                             kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
     assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce"}
     assert len(seen) > 100
-
-
-def _layouts(M, K, N, r, dtype, bias):
-    """One problem under several operand layouts: transposed storage, and rows shifted off 16-byte alignment."""
-    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
-
-    def shifted(t):  # same values, storage one element further on: its address is no longer 16-byte aligned
-        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view_as(t)
-
-    return b, [
-        (x, weight, lora_A, lora_B, dy),
-        (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
-        (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
-        (shifted(x), weight, lora_A, lora_B, shifted(dy)),
-    ]
 
 
 def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):

@@ -70,7 +70,7 @@ def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tu
         raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
 
 
-def _check_common(x, weight, lora_A, lora_B, scale, dropout) -> tuple[int, int, int, int]:
+def _check_sizes(x, weight, lora_A, lora_B) -> tuple[int, int, int, int]:
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -80,7 +80,6 @@ def _check_common(x, weight, lora_A, lora_B, scale, dropout) -> tuple[int, int, 
     r = lora_A.shape[0]
     if not 1 <= r <= MAX_RANK:
         raise ValueError(f"the LoRA rank r = lora_A.shape[0] must be in [1, {MAX_RANK}], got {r}")
-    _check_scalars(scale, dropout)
     return M, K, N, r
 
 
@@ -160,7 +159,7 @@ def forward(
         key = None
     sites = _FORWARD_SITES.get(key)
     if sites is None:
-        M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
+        M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
         _check_tensors(
             {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
             {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
@@ -194,7 +193,8 @@ def backward(
     """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
     (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
     must be the forward's (same seed): the masks are regenerated, not stored."""
-    M, K, N, r = _check_common(x, weight, lora_A, lora_B, scale, dropout)
+    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    _check_scalars(scale, dropout)
     _check_tensors(
         {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
         {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
