@@ -17,6 +17,12 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
 
 with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
 autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
+
+``--rounds N`` times every kernel of a shape once per round, N rounds in turn, and reports the median over
+rounds (each round's time is kept in ``ms_rounds``), with ``vs_cublas``: the median over rounds of a GEMM row's
+time over the cuBLAS GEMM of the same orientation and round. On these machines a kernel's time drifts by up to
+10% within minutes (cuBLAS itself did), so comparisons across rows of one pass can mislead; rounds put the
+drift on every row alike.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -66,7 +73,7 @@ def pointer_only(fn):
     return run
 
 
-def run_shape(M, K, N, r, reps):
+def run_shape(M, K, N, r, reps, rounds=1):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=dt)
@@ -126,15 +133,23 @@ def run_shape(M, K, N, r, reps):
         "backward": (lambda: kernels.backward(dy, x, W, A, B, S, s, None), None),
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
     }
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (fn, _nbytes) in cases.items():
+            times[name].append(bench(fn, reps))
     rows = []
-    for name, (fn, nbytes) in cases.items():
-        ms = bench(fn, reps)
-        row = {"shape": [M, K, N, r], "kernel": name, "ms": ms}
+    for name, (_fn, nbytes) in cases.items():
+        ms = statistics.median(times[name])
+        row = {"shape": [M, K, N, r], "kernel": name, "ms": ms, "ms_rounds": times[name]}
         if nbytes:
             row["GB_per_s"] = nbytes / ms / 1e6
+        base = "cublas_dx" if name.startswith("gemm_dx") else "cublas_y" if name.startswith("gemm_y") else None
+        if base:
+            row["vs_cublas"] = statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
         rows.append(row)
         gbs = f"{row['GB_per_s']:8.0f}" if nbytes else " " * 8
-        print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>16} {ms * 1e3:9.1f} us {gbs}", flush=True)
+        ratio = f"x{row['vs_cublas']:.3f}" if base else ""
+        print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>16} {ms * 1e3:9.1f} us {gbs} {ratio}", flush=True)
     return rows, checks
 
 
@@ -142,15 +157,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="", help="M,K,N,r;M,K,N,r;... (default: the DESIGN shapes)")
     parser.add_argument("--reps", type=int, default=100, help="ms of timed repetitions per kernel")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over all kernels of a shape")
     parser.add_argument("--out", default="kernel_breakdown.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_breakdown.py needs a CUDA GPU")
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
-    print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'kernel':>16} {'time':>12} {'GB/s':>8}")
+    print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'kernel':>16} {'time':>12} {'GB/s':>8} {'/cuBLAS':>7}")
     rows, errs = [], {}
     for shape in shapes:
-        shape_rows, checks = run_shape(*shape, args.reps)
+        shape_rows, checks = run_shape(*shape, args.reps, args.rounds)
         rows += shape_rows
         errs[",".join(map(str, shape))] = checks
         errs[",".join(map(str, shape)) + " configs"] = configs.tuned_summary()

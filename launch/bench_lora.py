@@ -17,6 +17,10 @@ times, with ``triton.testing.do_bench`` medians:
 forward, and forward+backward with W frozen (``torch.autograd.grad`` for x, A, B, so accumulation into
 ``.grad`` is not timed; the base's backward is its dx GEMM), and the memory held between forward and
 backward. Prints a table and writes ``{"meta": ..., "rows": [...]}``.
+
+``--rounds N`` times every implementation of a row N times in turn, each round led by another one, and
+reports medians over rounds; a ratio is the median over rounds of the time over the base's time of the same
+round (each round's times are kept in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -136,8 +141,14 @@ def time_impl(name, f, x, dy, A, B, reps):
     return fwd_ms, fwdbwd_ms, held / 2**20
 
 
-def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None):
-    """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows."""
+def _ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of a time over the base's time of the same round."""
+    return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
+def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rounds=1):
+    """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows.
+    ``rounds`` times every implementation of a row that many times, in turn, each round led by another."""
     rows = []
     for M, K, N, r in shapes:
         for adapter_dtype in adapter_dtypes:
@@ -150,20 +161,26 @@ def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None):
                     errs = validate(impls, x, A, B, 2.0)
                 else:
                     errs = {}
-                base_fwd = base_fwdbwd = None
-                for name, f in impls.items():
-                    if impl_filter and name not in impl_filter and name != "base":
-                        continue
-                    fwd_ms, fwdbwd_ms, held = time_impl(name, f, x, dy, A, B, reps)
-                    if name == "base":
-                        base_fwd, base_fwdbwd = fwd_ms, fwdbwd_ms
+                names = [n for n in impls if not impl_filter or n in impl_filter or n == "base"]
+                fwd, fwdbwd, held = ({n: [] for n in names} for _ in range(3))
+                for rnd in range(rounds):
+                    # Each round starts at another implementation: a GPU runs up to 10% faster while cool
+                    # (NOTES.md, session 9), so a fixed order would favour whichever is timed first.
+                    for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                        f_ms, fb_ms, held_mib = time_impl(name, impls[name], x, dy, A, B, reps)
+                        fwd[name].append(f_ms)
+                        fwdbwd[name].append(fb_ms)
+                        held[name].append(held_mib)
+                for name in names:
                     rows.append({
                         "shape": [M, K, N, r], "impl": name, "dropout": p,
                         "adapter_dtype": str(adapter_dtype).replace("torch.", ""),
-                        "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
-                        "fwd_ratio": fwd_ms / base_fwd, "fwdbwd_ratio": fwdbwd_ms / base_fwdbwd,
-                        "held_mib": held, "rel_err": errs.get(name),
-                    })
+                        "fwd_ms": statistics.median(fwd[name]), "fwdbwd_ms": statistics.median(fwdbwd[name]),
+                        "fwd_ratio": _ratio(fwd[name], fwd["base"]),
+                        "fwdbwd_ratio": _ratio(fwdbwd[name], fwdbwd["base"]),
+                        "held_mib": max(held[name]), "rel_err": errs.get(name),
+                        "fwd_ms_rounds": fwd[name], "fwdbwd_ms_rounds": fwdbwd[name],
+                    })  # fmt: skip
                     print_row(rows[-1])
                 del impls, x, dy
                 torch.cuda.empty_cache()
@@ -191,6 +208,7 @@ def main():
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
     parser.add_argument("--dropouts", default="0.0,0.1", help="comma-separated dropout probabilities")
     parser.add_argument("--adapter-dtypes", default="bfloat16,float32", help="comma-separated adapter dtypes")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per row (medians)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora.py needs a CUDA GPU")
@@ -224,7 +242,7 @@ def main():
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, out)
 
-    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save)
+    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save, rounds=args.rounds)
     print(f"wrote {out}")
 
 

@@ -1,0 +1,230 @@
+"""Probe: where the rank-r term of the persistent TMA GEMM should go, timed A/B in one process (CUDA).
+
+    python benchmarks/probe_rank_term.py --out probe_rank.json
+    python benchmarks/probe_rank_term.py --ttgir DIR      # also write each variant's TTGIR (what was pipelined)
+
+Experiments, not library code. ``kernel_breakdown.py`` (NOTES.md, session 6) put the epilogue rank term of
+``gemm_tma._lora_gemm_tma_kernel`` at ~38 us over its r = 0 run at 8192 x 4096 -> 4096 (r = 0 runs the same
+instructions on masked-off loads, so the cost is the S / B loads), and one experiment's numbers came from two
+machines whose cuBLAS differed by 13%. This probe times every variant and cuBLAS in interleaved rounds in one
+process and reports each variant's median ratio to cuBLAS of the same round. ``RANK`` switches:
+
+    0  no rank term (the bare core)
+    1  epilogue, masked pointer loads after the K loop (what the library does)
+    2  the same loads issued before the K loop, the dot after it, their registers touched after the loop
+       (else the compiler moves their conversion to shared memory, which waits for them, up to the loads)
+    3  epilogue, S and B (or A) through TMA descriptors
+    4  one more step of the pipelined K loop: S and B (or A) tiles through TMA descriptors at the last step,
+       zero-filled past r (needs r % 8 == 0); Triton compiles the branch unpipelined (one stage, 80 KB of
+       shared memory, 4x cuBLAS), so it is compiled and checked but not timed
+    5  prologue: the masked pointer loads and the rank-r dot before the K loop, which then accumulates onto it
+       (what the library does for dx under "pre" dropout)
+
+Both orientations: forward (``W_NK``: W read as [BN, BK] tiles, f = B [N, r]) and dx (W as [BK, BN], f = A).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+
+@triton.jit
+def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (tile_id % group_size_m), (tile_id % num_pid_in_group) // group_size_m
+
+
+@triton.jit
+def _ptr_tiles(s_ptr, f_ptr, offs_m, offs_n, M, N, R, W_NK: tl.constexpr, BR: tl.constexpr):
+    offs_r = tl.arange(0, BR)
+    rows64 = offs_m[:, None].to(tl.int64)
+    s = tl.load(s_ptr + rows64 * R + offs_r[None, :], mask=(offs_m[:, None] < M) & (offs_r[None, :] < R), other=0.0)
+    if W_NK:  # f[r, n] = B[n, r]
+        f = tl.load(f_ptr + offs_n[None, :] * R + offs_r[:, None], mask=(offs_r[:, None] < R) & (offs_n[None, :] < N),
+                    other=0.0)  # fmt: skip
+    else:  # f = A [r, N]
+        f = tl.load(f_ptr + offs_r[:, None] * N + offs_n[None, :], mask=(offs_r[:, None] < R) & (offs_n[None, :] < N),
+                    other=0.0)  # fmt: skip
+    return s, f
+
+
+@triton.jit
+def _probe_rank(
+    x_ptr, w_ptr, s_ptr, f_ptr, out_ptr, M, N, K, R,
+    RANK: tl.constexpr, W_NK: tl.constexpr, NUM_SMS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BM, BK])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BN, BK])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [N, 1], [BK, BN])
+    o_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [BM, BN // 2])
+    if RANK == 3:
+        s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [R, 1], [BM, BR])
+        if W_NK:
+            f_desc = tl.make_tensor_descriptor(f_ptr, [N, R], [R, 1], [BN, BR])
+        else:
+            f_desc = tl.make_tensor_descriptor(f_ptr, [R, N], [N, 1], [BR, BN])
+    if RANK == 4:
+        s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [R, 1], [BM, BK])
+        if W_NK:
+            f_desc = tl.make_tensor_descriptor(f_ptr, [N, R], [R, 1], [BN, BK])
+        else:
+            f_desc = tl.make_tensor_descriptor(f_ptr, [R, N], [N, 1], [BK, BN])
+
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if RANK == 2 or RANK == 5:
+            s, f = _ptr_tiles(s_ptr, f_ptr, offs_m, offs_n, M, N, R, W_NK, BR)
+        if RANK == 5:
+            acc = tl.dot(s, f, acc)
+        if RANK == 4:
+            for ki in range(k_tiles + 1):
+                if ki < k_tiles:
+                    a = x_desc.load([pid_m * BM, ki * BK])
+                    if W_NK:
+                        b = w_desc.load([pid_n * BN, ki * BK]).T
+                    else:
+                        b = w_desc.load([ki * BK, pid_n * BN])
+                else:
+                    a = s_desc.load([pid_m * BM, 0])
+                    if W_NK:
+                        b = f_desc.load([pid_n * BN, 0]).T
+                    else:
+                        b = f_desc.load([0, pid_n * BN])
+                acc = tl.dot(a, b, acc)
+        else:
+            for ki in range(k_tiles):
+                a = x_desc.load([pid_m * BM, ki * BK])
+                if W_NK:
+                    b = w_desc.load([pid_n * BN, ki * BK]).T
+                else:
+                    b = w_desc.load([ki * BK, pid_n * BN])
+                acc = tl.dot(a, b, acc)
+        if RANK == 1:
+            s, f = _ptr_tiles(s_ptr, f_ptr, offs_m, offs_n, M, N, R, W_NK, BR)
+        if RANK == 3:
+            s = s_desc.load([pid_m * BM, 0])
+            if W_NK:
+                f = f_desc.load([pid_n * BN, 0]).T
+            else:
+                f = f_desc.load([0, pid_n * BN])
+        if RANK == 2:
+            # Touched after the loop, so their conversion to shared memory (which waits for the loads) is
+            # placed here and not next to the loads: the registers are filled while the K loop runs.
+            s = tl.where(offs_m[:, None] < M, s, 0.0)
+            f = tl.where(offs_n[None, :] < N, f, 0.0)
+        if RANK == 1 or RANK == 2 or RANK == 3:
+            acc = tl.dot(s, f, acc)
+        halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        o_desc.store([pid_m * BM, pid_n * BN], left.to(out_ptr.dtype.element_ty))
+        o_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(out_ptr.dtype.element_ty))
+
+
+def _alloc(size, alignment, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_stages=3, num_warps=8)
+
+
+def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for M, K, N, r in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        W = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        S = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+        B = torch.randn(N, r, device="cuda", dtype=torch.bfloat16) / r**0.5
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        G = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+        A = torch.randn(r, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        cases = {"cublas_y": lambda x=x, W=W: torch.nn.functional.linear(x, W), "cublas_dx": lambda dy=dy, W=W: dy @ W}
+        for orient in ("y", "dx"):
+            w_nk = orient == "y"
+            act, s, f = (x, S, B) if w_nk else (dy, G, A)
+            mm, nn_, kk = (M, N, K) if w_nk else (M, K, N)
+            want = act.float() @ (W.float().t() if w_nk else W.float())
+            lora = s.float() @ (f.float().t() if w_nk else f.float())
+            for rank in (0, 1, 2, 3, 4, 5):
+                out = torch.empty(mm, nn_, device="cuda", dtype=torch.bfloat16)
+                grid = (min(nsm, triton.cdiv(mm, CONFIG["BM"]) * triton.cdiv(nn_, CONFIG["BN"])),)
+                kw = dict(RANK=rank, W_NK=w_nk, NUM_SMS=nsm, BR=max(16, r), **CONFIG)
+                args = (act, W, s, f, out, mm, nn_, kk, r)
+                try:
+                    compiled = _probe_rank[grid](*args, **kw)
+                except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result too)
+                    print(f"{orient} rank{rank}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
+                    continue
+                ref = want + lora if rank else want
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    print(f"{orient} rank{rank}: WRONG rel err {err:.3g}", flush=True)
+                    continue
+                if ttgir_dir:
+                    os.makedirs(ttgir_dir, exist_ok=True)
+                    with open(os.path.join(ttgir_dir, f"{orient}_rank{rank}.ttgir"), "w") as fh:
+                        fh.write(compiled.asm["ttgir"])
+                print(f"{orient} rank{rank}: regs {compiled.n_regs} spills {compiled.n_spills} "
+                      f"smem {compiled.metadata.shared}", flush=True)  # fmt: skip
+                if rank == 4:  # compiled and checked only: timing it would cool the GPU for the next variant
+                    continue
+                cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
+        times = {name: [] for name in cases}
+        names = list(cases)
+        for rnd in range(rounds):
+            # Interleaved, and each round led by another variant: a kernel timed right after a slow,
+            # low-power one (rank 4, 4x cuBLAS) ran 7-12% faster than in any other position (NOTES.md,
+            # session 9), and a cool GPU runs up to 10% faster than a warm one.
+            shift = rnd * len(names) // rounds
+            for name in names[shift:] + names[:shift]:
+                times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
+        for name, ts in times.items():
+            base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
+            ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
+            row = {"shape": [M, K, N, r], "variant": name, "ms": statistics.median(ts), "ratio": ratio,
+                   "ms_rounds": ts}  # fmt: skip
+            rows.append(row)
+            print(f"{M},{K},{N},{r} {name:>12}: {row['ms'] * 1e3:7.1f} us  x{ratio:.3f}", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per measurement")
+    parser.add_argument("--ttgir", default="", help="folder for each variant's TTGIR")
+    parser.add_argument("--out", default="probe_rank_term.json")
+    args = parser.parse_args()
+    triton.set_allocator(_alloc)
+    torch.manual_seed(0)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    rows = probe(shapes, args.rounds, args.reps, args.ttgir)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "config": CONFIG}  # fmt: skip
+    with open(args.out + ".tmp", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
