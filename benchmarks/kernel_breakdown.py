@@ -18,11 +18,11 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
 with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
 autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
 
-``--rounds N`` times every kernel of a shape once per round, N rounds in turn, and reports the median over
-rounds (each round's time is kept in ``ms_rounds``), with ``vs_cublas``: the median over rounds of a GEMM row's
-time over the cuBLAS GEMM of the same orientation and round. On these machines a kernel's time drifts by up to
-10% within minutes (cuBLAS itself did), so comparisons across rows of one pass can mislead; rounds put the
-drift on every row alike.
+``--rounds N`` times every kernel of a shape once per round, N rounds in turn, each led by another kernel
+(``rounds.round_order``), and reports the median over rounds (each round's time is kept in ``ms_rounds``),
+with ``vs_cublas``: the median over rounds of a GEMM row's time over the cuBLAS GEMM of the same orientation
+and round. On these machines a kernel's time drifts by up to 10-20% within minutes (cuBLAS itself did), so
+comparisons across rows of one pass can mislead; rounds put the drift on every row alike.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rounds import ratio_over_rounds, round_order  # noqa: E402  (benchmarks/ is this script's directory)
 
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
@@ -134,9 +136,9 @@ def run_shape(M, K, N, r, reps, rounds=1):
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
     }
     times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, (fn, _nbytes) in cases.items():
-            times[name].append(bench(fn, reps))
+    for rnd in range(rounds):
+        for name in round_order(list(cases), rnd):
+            times[name].append(bench(cases[name][0], reps))
     rows = []
     for name, (_fn, nbytes) in cases.items():
         ms = statistics.median(times[name])
@@ -145,7 +147,7 @@ def run_shape(M, K, N, r, reps, rounds=1):
             row["GB_per_s"] = nbytes / ms / 1e6
         base = "cublas_dx" if name.startswith("gemm_dx") else "cublas_y" if name.startswith("gemm_y") else None
         if base:
-            row["vs_cublas"] = statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+            row["vs_cublas"] = ratio_over_rounds(times[name], times[base])
         rows.append(row)
         gbs = f"{row['GB_per_s']:8.0f}" if nbytes else " " * 8
         ratio = f"x{row['vs_cublas']:.3f}" if base else ""

@@ -37,6 +37,18 @@ def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tiles(x_desc, w_desc, pid_m, pid_n, k, W_NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The x tile at column ``k`` and the w tile at row ``k``, the latter as [BK, BN] (``W_NK``: read [BN, BK]
+    and transposed). Also the rank-r tiles, when given the descriptors of S and B (or A) and ``k = 0``."""
+    a = x_desc.load([pid_m * BM, k])
+    if W_NK:
+        b = w_desc.load([pid_n * BN, k]).T
+    else:
+        b = w_desc.load([k, pid_n * BN])
+    return a, b
+
+
+@triton.jit
 def _probe_gemm(
     x_ptr, w_ptr, s_ptr, f_ptr, out_ptr, M, N, K, R,
     LORA: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, W_NK: tl.constexpr,
@@ -72,11 +84,7 @@ def _probe_gemm(
             f = tl.load(f_ptr + offs_n[None, :] * R + offs_r[:, None], mask=offs_r[:, None] < R, other=0.0)
             acc = tl.dot(s, f, acc)
         for ki in range(k_tiles):
-            a = x_desc.load([pid_m * BM, ki * BK])
-            if W_NK:
-                b = w_desc.load([pid_n * BN, ki * BK]).T
-            else:
-                b = w_desc.load([ki * BK, pid_n * BN])
+            a, b = _tiles(x_desc, w_desc, pid_m, pid_n, ki * BK, W_NK, BM, BN)
             acc = tl.dot(a, b, acc)
         tile_c += NUM_SMS
         pid_m, pid_n = _coords(tile_c, num_pid_m, num_pid_n, GROUP_M)

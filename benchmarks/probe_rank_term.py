@@ -33,15 +33,9 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from probe_gemm import _alloc, _coords, _tiles  # benchmarks/ is this script's directory
+from rounds import ratio_over_rounds, round_order
 from triton.testing import do_bench
-
-
-@triton.jit
-def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    return first_pid_m + (tile_id % group_size_m), (tile_id % num_pid_in_group) // group_size_m
 
 
 @triton.jit
@@ -98,34 +92,18 @@ def _probe_rank(
         if RANK == 4:
             for ki in range(k_tiles + 1):
                 if ki < k_tiles:
-                    a = x_desc.load([pid_m * BM, ki * BK])
-                    if W_NK:
-                        b = w_desc.load([pid_n * BN, ki * BK]).T
-                    else:
-                        b = w_desc.load([ki * BK, pid_n * BN])
+                    a, b = _tiles(x_desc, w_desc, pid_m, pid_n, ki * BK, W_NK, BM, BN)
                 else:
-                    a = s_desc.load([pid_m * BM, 0])
-                    if W_NK:
-                        b = f_desc.load([pid_n * BN, 0]).T
-                    else:
-                        b = f_desc.load([0, pid_n * BN])
+                    a, b = _tiles(s_desc, f_desc, pid_m, pid_n, 0, W_NK, BM, BN)
                 acc = tl.dot(a, b, acc)
         else:
             for ki in range(k_tiles):
-                a = x_desc.load([pid_m * BM, ki * BK])
-                if W_NK:
-                    b = w_desc.load([pid_n * BN, ki * BK]).T
-                else:
-                    b = w_desc.load([ki * BK, pid_n * BN])
+                a, b = _tiles(x_desc, w_desc, pid_m, pid_n, ki * BK, W_NK, BM, BN)
                 acc = tl.dot(a, b, acc)
         if RANK == 1:
             s, f = _ptr_tiles(s_ptr, f_ptr, offs_m, offs_n, M, N, R, W_NK, BR)
         if RANK == 3:
-            s = s_desc.load([pid_m * BM, 0])
-            if W_NK:
-                f = f_desc.load([pid_n * BN, 0]).T
-            else:
-                f = f_desc.load([0, pid_n * BN])
+            s, f = _tiles(s_desc, f_desc, pid_m, pid_n, 0, W_NK, BM, BN)
         if RANK == 2:
             # Touched after the loop, so their conversion to shared memory (which waits for the loads) is
             # placed here and not next to the loads: the registers are filled while the K loop runs.
@@ -137,10 +115,6 @@ def _probe_rank(
         left, right = tl.split(halves)
         o_desc.store([pid_m * BM, pid_n * BN], left.to(out_ptr.dtype.element_ty))
         o_desc.store([pid_m * BM, pid_n * BN + BN // 2], right.to(out_ptr.dtype.element_ty))
-
-
-def _alloc(size, alignment, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_stages=3, num_warps=8)
@@ -189,17 +163,12 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
                     continue
                 cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
         times = {name: [] for name in cases}
-        names = list(cases)
-        for rnd in range(rounds):
-            # Interleaved, and each round led by another variant: a kernel timed right after a slow,
-            # low-power one (rank 4, 4x cuBLAS) ran 7-12% faster than in any other position (NOTES.md,
-            # session 9), and a cool GPU runs up to 10% faster than a warm one.
-            shift = rnd * len(names) // rounds
-            for name in names[shift:] + names[:shift]:
+        for rnd in range(rounds):  # interleaved, each round led by another variant
+            for name in round_order(list(cases), rnd):
                 times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
         for name, ts in times.items():
             base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
-            ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
+            ratio = ratio_over_rounds(ts, base)
             row = {"shape": [M, K, N, r], "variant": name, "ms": statistics.median(ts), "ratio": ratio,
                    "ms_rounds": ts}  # fmt: skip
             rows.append(row)

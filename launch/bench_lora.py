@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
 
 SHAPES = [
@@ -141,11 +142,6 @@ def time_impl(name, f, x, dy, A, B, reps):
     return fwd_ms, fwdbwd_ms, held / 2**20
 
 
-def _ratio(times: list[float], base: list[float]) -> float:
-    """The median over rounds of a time over the base's time of the same round."""
-    return statistics.median(t / b for t, b in zip(times, base, strict=True))
-
-
 def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rounds=1):
     """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows.
     ``rounds`` times every implementation of a row that many times, in turn, each round led by another."""
@@ -163,10 +159,8 @@ def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rou
                     errs = {}
                 names = [n for n in impls if not impl_filter or n in impl_filter or n == "base"]
                 fwd, fwdbwd, held = ({n: [] for n in names} for _ in range(3))
-                for rnd in range(rounds):
-                    # Each round starts at another implementation: a GPU runs up to 10% faster while cool
-                    # (NOTES.md, session 9), so a fixed order would favour whichever is timed first.
-                    for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                for rnd in range(rounds):  # a fixed order would favour whichever is timed first
+                    for name in round_order(names, rnd):
                         f_ms, fb_ms, held_mib = time_impl(name, impls[name], x, dy, A, B, reps)
                         fwd[name].append(f_ms)
                         fwdbwd[name].append(fb_ms)
@@ -176,8 +170,8 @@ def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rou
                         "shape": [M, K, N, r], "impl": name, "dropout": p,
                         "adapter_dtype": str(adapter_dtype).replace("torch.", ""),
                         "fwd_ms": statistics.median(fwd[name]), "fwdbwd_ms": statistics.median(fwdbwd[name]),
-                        "fwd_ratio": _ratio(fwd[name], fwd["base"]),
-                        "fwdbwd_ratio": _ratio(fwdbwd[name], fwdbwd["base"]),
+                        "fwd_ratio": ratio_over_rounds(fwd[name], fwd["base"]),
+                        "fwdbwd_ratio": ratio_over_rounds(fwdbwd[name], fwdbwd["base"]),
                         "held_mib": max(held[name]), "rel_err": errs.get(name),
                         "fwd_ms_rounds": fwd[name], "fwdbwd_ms_rounds": fwdbwd[name],
                     })  # fmt: skip
