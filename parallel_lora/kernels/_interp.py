@@ -11,6 +11,7 @@ import functools
 import os
 
 import torch
+from triton.runtime import driver
 
 _MASK32 = 0xFFFFFFFF
 MAX_RANK = 256
@@ -55,6 +56,20 @@ def split_seed(seed: int) -> tuple[int, int]:
         return 0, 0
     seed = int(seed)
     return _as_int32(seed & _MASK32), _as_int32((seed >> 32) & _MASK32)
+
+
+def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
+    """A buffer of at least ``numel`` elements kept in ``cache`` per (device, current stream): kernels on one
+    stream run one after another, so their workspaces (and counters each launch leaves at zero) can be
+    shared. Grown, never shrunk; a new one is zeroed when ``zeroed``."""
+    # Triton's raw-stream query: ``torch.cuda.current_stream`` builds a Stream object at every call.
+    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        make = torch.zeros if zeroed else torch.empty
+        buf = cache[key] = make(max(numel, 1 << 10), device=device, dtype=dtype)
+    return buf
 
 
 def pad_rank(r: int) -> int:

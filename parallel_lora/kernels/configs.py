@@ -114,10 +114,12 @@ def gemm_tma_configs() -> list[triton.Config]:
 
 
 def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Per stage one x and one w tile; half the output tile is staged in shared memory for its TMA store; the
-    # rank-r tiles of one chunk go through shared memory on their way to the tensor cores.
+    # Per stage one x and one w tile (and with the fused shrink one u tile); half the output tile is staged in
+    # shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their way to
+    # the tensor cores.
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
-    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem
+    u = bk * consts["R_PAD"] if consts.get("FUSE_SHRINK") else 0
+    return (stages * ((bm + bn) * bk + u) + bm * bn // 2 + (bm + bn) * br) * elem
 
 
 def shrink_configs() -> list[triton.Config]:
@@ -239,12 +241,14 @@ def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None,
     return kept
 
 
-# (spec name, kernel name) -> its autotuner, created at the kernel's first GPU launch.
-_TUNED: dict[tuple[str, str], triton.runtime.Autotuner] = {}
+# (spec name, kernel name, constexprs) -> its autotuner, created at the variant's first GPU launch. One per
+# constexpr variant: Triton's autotuner keys its cache on the key sizes and dtypes only, so variants sharing one
+# would share a config tuned (and shared-memory-pruned) for another variant.
+_TUNED: dict[tuple, triton.runtime.Autotuner] = {}
 
 
-def _tuned(spec: KernelSpec, kernel):
-    key = (spec.name, kernel.__name__)
+def _tuned(spec: KernelSpec, kernel, consts: dict):
+    key = (spec.name, kernel.__name__, tuple(consts.items()))
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
             configs=spec.configs(),
@@ -256,13 +260,14 @@ def _tuned(spec: KernelSpec, kernel):
 
 def tuned_summary() -> dict[str, list[str]]:
     """Every autotuned kernel's chosen config per key, for benchmark logs."""
-    return {
-        name: [
-            f"{key}: {cfg.kwargs} stages={cfg.num_stages} warps={cfg.num_warps}"
+    summary: dict[str, list[str]] = {}
+    for (name, _, consts), tuner in _TUNED.items():
+        flags = {k: v for k, v in consts if isinstance(v, bool) and v}
+        summary.setdefault(name, []).extend(
+            f"{key} {flags}: {cfg.kwargs} stages={cfg.num_stages} warps={cfg.num_warps}"
             for key, cfg in tuner.cache.items()
-        ]
-        for (name, _), tuner in _TUNED.items()
-    }
+        )
+    return summary
 
 
 @dataclass(frozen=True)
@@ -333,7 +338,7 @@ def _compile(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
     with _TUNING_LOCK:
         cfg = _BEST.get(best_key)
         if cfg is None:
-            tuner = _tuned(spec, kernel)
+            tuner = _tuned(spec, kernel, consts)
             compiled = tuner[grid](*args, **consts)
             cfg = _BEST[best_key] = tuner.best_config
         else:

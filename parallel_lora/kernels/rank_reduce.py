@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import driver
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stream_buffer
 from .configs import (
     REDUCE_M_ALIGN_GPU,
     REDUCE_M_ALIGN_INTERP,
@@ -187,22 +186,10 @@ def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
     return cdiv(M, m_per_split), m_per_split
 
 
-# (device, stream) -> (fp32 partials, int32 arrival counters), shared by the launches on that stream: they
-# run one after another, and each leaves its counters at zero. Grown, never shrunk.
-_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Triton's raw-stream query: ``torch.cuda.current_stream`` builds a Stream object at every call.
-    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
-    key = (device, stream)
-    ws, count = _WORKSPACE.get(key, (None, None))
-    if ws is None or ws.numel() < partials:
-        ws = torch.empty(max(partials, 1 << 14), device=device, dtype=torch.float32)
-    if count is None or count.numel() < counters:
-        count = torch.zeros(max(counters, 1 << 10), device=device, dtype=torch.int32)
-    _WORKSPACE[key] = (ws, count)
-    return ws, count
+# (device, stream) -> the fp32 partials / the int32 arrival counters of the launches on that stream: they run
+# one after another, and each leaves its counters at zero.
+_PARTIALS: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def lora_adapter_grads(
@@ -247,7 +234,8 @@ def lora_adapter_grads(
         b_tma = want_b and tma_rows(feat_b)
         tma = (a_tma or b_tma) and not interpreting()
     if split > 1:
-        ws, count = _workspace(dev, partials, F_A + F_B)
+        ws = stream_buffer(_PARTIALS, dev, partials, torch.float32, zeroed=False)
+        count = stream_buffer(_COUNTERS, dev, F_A + F_B, torch.int32, zeroed=True)
     else:
         ws, count = out_a, out_a  # never touched with one split
     if tma:
