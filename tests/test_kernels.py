@@ -240,32 +240,39 @@ def test_16bit_tma_operands_take_one_forward_and_two_backward_launches(monkeypat
 @pytest.mark.parametrize("programs", [1, 2, 3])
 @pytest.mark.parametrize("position", ["none", "post"])
 @pytest.mark.parametrize("r", [8, 16, 24])
-def test_fused_shrink_gives_the_separate_shrinks_bits_and_leaves_its_flags_at_zero(monkeypatch, r, position, programs):
+def test_fused_shrink_gives_the_separate_shrinks_bits_and_advances_its_epoch(monkeypatch, r, position, programs):
     # The interpreter runs the persistent grid's programs one after another. With one program every producer
     # publishes before its consumers run; with several, the first program's consumers of row blocks whose
     # producer belongs to a later program find nothing published and compute their rows themselves. Either
-    # way every output must be the separate-shrink path's, bit for bit (same tiles, same order), and every
-    # row block's flag must be back at zero for the next launch.
+    # way every output must be the separate-shrink path's, bit for bit (same tiles, same order). Each launch
+    # advances the stream's epoch, so a second call (new values, the flags still holding the first call's
+    # epoch) must not read the first call's s.
     from parallel_lora.kernels import gemm_tma, lora
 
     monkeypatch.setattr(gemm_tma, "INTERP_PROGRAMS", programs)
     drop = DROPOUTS[position]
     inputs = make_inputs(70, 96, 80, r, torch.bfloat16)  # 3 x 3 output tiles of 32, tails in M and N
     x, weight, b, lora_A, lora_B, dy = inputs
-    lora._FORWARD_SITES.clear()
-    lora._BACKWARD_SITES.clear()
-    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-    fused = (y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop))
+
+    def both_calls():
+        lora._FORWARD_SITES.clear()
+        lora._BACKWARD_SITES.clear()
+        outs = []
+        for x_i, dy_i in ((x, dy), (x * 0.5, dy * -2.0)):
+            y, s_lora = kernels.forward(x_i, weight, b, lora_A, lora_B, SCALE, drop)
+            outs += [y, s_lora, *kernels.backward(dy_i, x_i, weight, lora_A, lora_B, s_lora, SCALE, drop)]
+        return outs
+
+    epoch = {key: int(sync[0]) for key, sync in gemm_tma._SYNC.items()}
+    fused = both_calls()
     assert all(site[0] for site in (*lora._FORWARD_SITES.values(), *lora._BACKWARD_SITES.values()))
-    for flags in gemm_tma._FLAGS.values():
-        assert not flags.any(), "row-block flags were left non-zero"
-    lora._FORWARD_SITES.clear()
-    lora._BACKWARD_SITES.clear()
+    ((key, sync),) = gemm_tma._SYNC.items()
+    assert int(sync[0]) == epoch.get(key, 0) + 4, "each of the four fused launches advances the epoch once"
+    assert sync[1] == 0, "the program arrival count was left non-zero"
     monkeypatch.setattr(lora, "fuses_shrink", lambda *args: False)
-    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-    separate = (y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop))
-    for name, a, c in zip(("y", "S", "dx", "dA", "dB"), fused, separate, strict=True):
-        assert torch.equal(a, c), name
+    separate = both_calls()
+    for i, (a, c) in enumerate(zip(fused, separate, strict=True)):
+        assert torch.equal(a, c), ("y", "S", "dx", "dA", "dB")[i % 5] + f" of call {i // 5 + 1}"
     check_against_eager(*inputs, SCALE, drop)
 
 
@@ -742,7 +749,7 @@ def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
 def test_gpu_fused_shrink_consumers_computing_their_own_rows_give_the_same_bits(monkeypatch, position):
     # A consumer that finds its row block's S / G unpublished computes it from the same tiles in the same order
     # as the producer: with no polling at all (most consumers of the first wave compute their own), y, S and
-    # every gradient must be the polling run's, bit for bit, and every flag must be left at zero.
+    # every gradient must be the polling run's, bit for bit.
     from parallel_lora.kernels import gemm_tma
 
     torch.manual_seed(0)
@@ -759,7 +766,7 @@ def test_gpu_fused_shrink_consumers_computing_their_own_rows_give_the_same_bits(
     torch.cuda.synchronize()
     for name, a, c in zip(("y", "S", "dx", "dA", "dB"), polled, computed, strict=True):
         assert torch.equal(a, c), name
-    assert gemm_tma._FLAGS and all(not flags.any() for flags in gemm_tma._FLAGS.values())
+    assert gemm_tma._SYNC and all(sync[1] == 0 for sync in gemm_tma._SYNC.values())
     ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
     mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
     for name, out, want, m in zip(("y", "S", "dx", "dA", "dB"), computed, ref, mag, strict=True):

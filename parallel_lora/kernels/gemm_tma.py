@@ -23,16 +23,16 @@ x, which every output tile of that row block streams through shared memory anywa
 it instead of a separate shrink launch (a 28 us extra read of x at 8192x4096 on the H200):
 
 - column tile 0 of each row block is its *producer*: one more ``[BLOCK_M, BLOCK_K] x [BLOCK_K, R_PAD]`` dot
-  per K step (u tiles through TMA like W's: 6% more MMA work in 1 of the row block's tiles), then it rounds
-  s once, stores it (S / G is saved for the adapter gradients) and publishes it on the row block's flag
-  (release);
-- the other tiles (*consumers*) run the plain K loop and then acquire the flag and load s;
+  per K step (u tiles through TMA like W's), then it rounds s once, stores it (S / G is saved for the
+  adapter gradients) and publishes it by writing the launch's epoch + 1 to the row block's flag (release);
+- the other tiles (*consumers*) read the flag before their plain K loop and, after it, load s once the flag
+  shows this launch's epoch (a relaxed load and an acquire fence);
 - producers come first in the tile order, a wave ahead of their consumers after the first wave, so a
   consumer normally finds s published. It polls at most ``max_spins`` times: a producer whose program is
   not resident (another kernel holds the SMs) must not stall it, so then it computes its rows itself from
   the same tiles in the same order, hence the same bits;
-- the row block's last arrival (producer or consumer) resets its flag: the flags are zero between
-  launches, with no host-side epoch (CUDA-graph safe).
+- the last program to finish advances the stream's epoch, so the flags need no reset and the launch no
+  host-side state (CUDA-graph safe).
 
 Why this structure (``benchmarks/probe_gemm.py``, H200, bf16, ratio to cuBLAS; NOTES.md has the table): the
 bare persistent TMA core runs at 0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``)
@@ -66,8 +66,6 @@ from .configs import (
 )
 from .dropout_mask import keep_tile
 
-# A producer's arrival on its row block's flag; each consumer's counts 1 (so fewer than 2**20 tiles per row).
-_PUBLISHED = tl.constexpr(1 << 20)
 
 
 @triton.jit
@@ -183,7 +181,7 @@ def _lora_gemm_tma_kernel(
     f_ptr,  # [R, N_OUT]     rank-r factor (B^T, or A)
     out_ptr,  # [M, N_OUT]   unit inner stride
     u_ptr,  # A [R, K_RED] when U_RK, else B [K_RED, R]: the shrink factor (FUSE_SHRINK), else a dummy
-    flag_ptr,  # [cdiv(M, BLOCK_M)] int32, zero between launches: S rows published / read (FUSE_SHRINK)
+    sync_ptr,  # int32 [epoch, programs arrived, one flag per row block] of this stream (FUSE_SHRINK)
     # sizes
     M,
     N_OUT,
@@ -214,6 +212,7 @@ def _lora_gemm_tma_kernel(
     FUSE_SHRINK: tl.constexpr,
     DROP_POST: tl.constexpr,
     U_RK: tl.constexpr,
+    FENCE: tl.constexpr,
     R_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_SMS: tl.constexpr,
@@ -242,6 +241,13 @@ def _lora_gemm_tma_kernel(
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     k_tiles = tl.cdiv(K_RED, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
+
+    if FUSE_SHRINK:
+        # This launch's producers publish s by writing ``epoch + 1`` to their row block's flag; the last program
+        # to finish advances the epoch. So flags need no reset and carry no host-side state (CUDA-graph safe).
+        epoch = tl.load(sync_ptr)
+        published = epoch + 1
+        flag_ptr = sync_ptr + 2
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS):
         if FUSE_SHRINK:
@@ -275,21 +281,26 @@ def _lora_gemm_tma_kernel(
                 tl.store(s_ptrs, s, mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
                 # Every thread's stores happen before one thread's release-ordered publication.
                 tl.debug_barrier()
-                seen = tl.atomic_add(flag_ptr + pid_m, _PUBLISHED, sem="release", scope="gpu")
-                last = seen == num_pid_n - 1  # every consumer of the row block came first (all computed their own)
+                tl.atomic_xchg(flag_ptr + pid_m, published, sem="release", scope="gpu")
             else:
+                # The flag is read before the K loop (a plain load: nothing waits for it until after the loop,
+                # where the producer, a wave ahead, has normally published).
+                seen = tl.load(flag_ptr + pid_m, volatile=True)
                 acc = _k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M,
                               BLOCK_N, BLOCK_K)  # fmt: skip
-                # Poll for the producer (it runs ahead: producer tiles come first in the order), but never
-                # unboundedly: a producer whose program is not resident (another kernel holds the SMs) must
-                # not stall this one, so after ``max_spins`` polls the consumer computes its rows itself,
-                # from the same tiles in the same order, hence the same values.
-                seen = tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu")
+                # Poll, but never unboundedly: a producer whose program is not resident (another kernel holds
+                # the SMs) must not stall this one, so after ``max_spins`` polls the consumer computes its rows
+                # itself, from the same tiles in the same order, hence the same values.
                 spins = 0
-                while (seen < _PUBLISHED) & (spins < max_spins):
-                    seen = tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu")
+                while (seen != published) & (spins < max_spins):
+                    seen = tl.load(flag_ptr + pid_m, volatile=True)
                     spins += 1
-                if seen >= _PUBLISHED:
+                if seen == published:
+                    if FENCE:
+                        # The relaxed load that saw the release, then an acquire fence: the acquire pattern
+                        # of the PTX memory model, which orders the loads of s after the producer's stores.
+                        seen = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [seen],
+                                                         dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
                     offs_r = tl.arange(0, R_PAD)
                     s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr
                     # .cg: read at L2, where the producer's stores landed.
@@ -300,11 +311,6 @@ def _lora_gemm_tma_kernel(
                                          BLOCK_M, BLOCK_K)  # fmt: skip
                     s = _finish_s(s_acc, offs_m, s_scale, p, seed_lo, seed_hi, R_PAD, DROP_POST,
                                   s_ptr.dtype.element_ty)  # fmt: skip
-                # The last of the row block's 1 + (num_pid_n - 1) arrivals resets its flag for the next launch.
-                seen = tl.atomic_add(flag_ptr + pid_m, 1, sem="relaxed", scope="gpu")
-                last = seen == _PUBLISHED + num_pid_n - 2
-            if last:
-                tl.atomic_xchg(flag_ptr + pid_m, 0, sem="relaxed", scope="gpu")
             f = tl.load(f_ptr + tl.arange(0, R_PAD)[:, None] * stride_fr + offs_n[None, :] * stride_fn,
                         mask=(tl.arange(0, R_PAD)[:, None] < R) & (offs_n[None, :] < N_OUT), other=0.0)  # fmt: skip
             if UPCAST:
@@ -332,6 +338,13 @@ def _lora_gemm_tma_kernel(
         left, right = tl.split(halves)
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+
+    if FUSE_SHRINK:
+        # Every program read the epoch before arriving here; the last to arrive advances it for the next launch.
+        arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr, published, sem="relaxed", scope="gpu")
 
 
 _SPEC = KernelSpec(
@@ -417,10 +430,10 @@ MAX_SPINS_GPU = 1 << 14
 INTERP_PROGRAMS = 2
 
 
-# (device, stream) -> the fused shrink's int32 row-block flags, zero between launches: each launch leaves them
-# at zero, and launches on one stream run one after another. Sized for row blocks of 16 rows, the smallest
-# BLOCK_M any config could take.
-_FLAGS: dict[tuple, torch.Tensor] = {}
+# (device, stream) -> the fused shrink's int32 sync words ``[epoch, programs arrived, one flag per row block]``
+# of the launches on that stream (one after another, each leaving the arrival count at zero). Sized for row
+# blocks of 16 rows, the smallest BLOCK_M any config could take; a new buffer starts at epoch 0, all flags 0.
+_SYNC: dict[tuple, torch.Tensor] = {}
 
 
 def lora_gemm_tma(
@@ -451,8 +464,8 @@ def lora_gemm_tma(
     u_rk = fuse and u.stride(0) == 1 and u.stride(1) != 1
     if not interpreting():
         ensure_allocator()
-    flags = stream_buffer(_FLAGS, x.device, cdiv(M, 16), torch.int32, zeroed=True) if fuse else out
-    tensors = (x, w, bias if bias is not None else out, s, f, out, u if fuse else out, flags)
+    sync = stream_buffer(_SYNC, x.device, 2 + cdiv(M, 16), torch.int32, zeroed=True) if fuse else out
+    tensors = (x, w, bias if bias is not None else out, s, f, out, u if fuse else out, sync)
     # The interpreter runs programs one after another: a consumer polling a later program's producer would
     # wait forever, so there it computes unpublished rows at once (which the CPU tests thereby cover).
     runtime = (*runtime, 0 if interpreting() else MAX_SPINS_GPU)
@@ -475,6 +488,8 @@ def lora_gemm_tma(
             "FUSE_SHRINK": fuse,
             "DROP_POST": drop_post,
             "U_RK": u_rk,
+            # The interpreter runs programs one after another (nothing to order) and has no inline PTX.
+            "FENCE": fuse and not interpreting(),
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "NUM_SMS": num_sms,

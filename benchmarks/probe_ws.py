@@ -1,0 +1,146 @@
+"""Probe: does Triton's Hopper warp specialization bring the persistent TMA GEMM to cuBLAS (CUDA).
+
+    python benchmarks/probe_ws.py --out probe_ws.json
+
+Experiments, not library code. ``kernel_breakdown.py`` puts the library's GEMM core (one partition of 8
+warps, software-pipelined TMA loads) at 1.03-1.07x cuBLAS on the DESIGN shapes; that gap alone keeps the
+forward ratio targets out of reach. Triton >= 3.5 warp-specializes a Hopper loop marked
+``tl.range(..., warp_specialize=True)`` (a producer warpgroup issuing the TMA loads, consumer warpgroups the
+wgmma), but only where every load in the loop nest goes through a descriptor (a pointer load fails to
+compile: "unsupported load type for producer commit"), so the rank-r tiles are read through descriptors
+here (needs r % 8 == 0). Variants, timed in interleaved rounds against cuBLAS of the same orientation:
+
+    ws{0,1}_rank{0,1}   no / Hopper warp specialization (num_warps 8 / 4: the partitions add warps);
+                        no rank term / the rank-r dot in the epilogue with S and B (or G and A) via TMA
+
+Both orientations: forward (``y``: W read as [BN, BK] tiles, f = B [N, r]) and dx (W as [BK, BN], f = A).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+from probe_gemm import _alloc, _coords, _tiles  # benchmarks/ is this script's directory
+from rounds import ratio_over_rounds, round_order
+from triton.testing import do_bench
+
+
+@triton.jit
+def _probe_ws(
+    x_ptr, w_ptr, s_ptr, f_ptr, out_ptr, M, N, K, R,
+    RANK: tl.constexpr, WS: tl.constexpr, W_NK: tl.constexpr, NUM_SMS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BM, BK])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BN, BK])
+        f_desc = tl.make_tensor_descriptor(f_ptr, [N, R], [R, 1], [BN, BR])  # B [N, r]
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K, N], [N, 1], [BK, BN])
+        f_desc = tl.make_tensor_descriptor(f_ptr, [R, N], [N, 1], [BR, BN])  # A [r, N]
+    s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [R, 1], [BM, BR])
+    o_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [BM, BN // 2])
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=False, warp_specialize=WS):
+        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a, b = _tiles(x_desc, w_desc, pid_m, pid_n, ki * BK, W_NK, BM, BN)
+            acc = tl.dot(a, b, acc)
+        if RANK:
+            s = s_desc.load([pid_m * BM, 0])
+            if W_NK:
+                f = f_desc.load([pid_n * BN, 0]).T
+            else:
+                f = f_desc.load([0, pid_n * BN])
+            acc = tl.dot(s, f, acc)
+        halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        c0, c1 = tl.split(halves)
+        o_desc.store([pid_m * BM, pid_n * BN], c0.to(out_ptr.dtype.element_ty))
+        o_desc.store([pid_m * BM, pid_n * BN + BN // 2], c1.to(out_ptr.dtype.element_ty))
+
+
+TILES = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_stages=3)
+
+
+def probe(shapes, rounds: int, reps: int):
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for M, K, N, r in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        W = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        S = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+        B = torch.randn(N, r, device="cuda", dtype=torch.bfloat16) / r**0.5
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        G = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+        A = torch.randn(r, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+        cases = {"cublas_y": lambda x=x, W=W: torch.nn.functional.linear(x, W), "cublas_dx": lambda dy=dy, W=W: dy @ W}
+        for orient in ("y", "dx"):
+            w_nk = orient == "y"
+            act, s, f = (x, S, B) if w_nk else (dy, G, A)
+            mm, nn_, kk = (M, N, K) if w_nk else (M, K, N)
+            want = act.float() @ (W.float().t() if w_nk else W.float())
+            lora = s.float() @ (f.float().t() if w_nk else f.float())
+            for ws in (False, True):
+                for rank in (False, True):
+                    name = f"{orient}_ws{int(ws)}_rank{int(rank)}"
+                    out = torch.full((mm, nn_), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    grid = (min(nsm, triton.cdiv(mm, TILES["BM"]) * triton.cdiv(nn_, TILES["BN"])),)
+                    warps = 4 if ws else 8  # warp specialization adds a producer and a second consumer group
+                    kw = dict(RANK=rank, WS=ws, W_NK=w_nk, NUM_SMS=nsm, BR=max(16, r), num_warps=warps, **TILES)
+                    args = (act, W, s, f, out, mm, nn_, kk, r)
+                    try:
+                        compiled = _probe_ws[grid](*args, **kw)
+                    except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result too)
+                        print(f"{name}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
+                        continue
+                    ref = want + lora if rank else want
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        print(f"{name}: WRONG rel err {err:.3g}", flush=True)
+                        continue
+                    print(f"{name}: warps {compiled.metadata.num_warps} regs {compiled.n_regs} spills "
+                          f"{compiled.n_spills} smem {compiled.metadata.shared}", flush=True)  # fmt: skip
+                    cases[name] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
+        times = {name: [] for name in cases}
+        for rnd in range(rounds):  # interleaved, each round led by another variant
+            for name in round_order(list(cases), rnd):
+                times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
+        for name, ts in times.items():
+            base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
+            row = {"shape": [M, K, N, r], "variant": name, "ms": statistics.median(ts),
+                   "ratio": ratio_over_rounds(ts, base), "ms_rounds": ts}  # fmt: skip
+            rows.append(row)
+            print(f"{M},{K},{N},{r} {name:>14}: {row['ms'] * 1e3:7.1f} us  x{row['ratio']:.3f}", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
+    parser.add_argument("--out", default="probe_ws.json")
+    args = parser.parse_args()
+    triton.set_allocator(_alloc)
+    torch.manual_seed(0)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    rows = probe(shapes, args.rounds, args.reps)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "tiles": TILES, "command": "python benchmarks/probe_ws.py " + " ".join(os.sys.argv[1:])}  # fmt: skip
+    with open(args.out + ".tmp", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(args.out + ".tmp", args.out)
+
+
+if __name__ == "__main__":
+    main()
