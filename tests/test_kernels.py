@@ -17,6 +17,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from parallel_lora import eager
 from parallel_lora.dropout import Dropout, keep_mask
@@ -31,6 +33,7 @@ if not (INTERPRETING or HAS_CUDA):
 from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
 from parallel_lora.kernels import configs as kconfigs  # noqa: E402
 from parallel_lora.kernels.dropout_mask import hash_uniform as triton_hash_uniform  # noqa: E402
+from parallel_lora.kernels.gemm_tma import _fused_coords  # noqa: E402
 from parallel_lora.kernels.rank_reduce import split_rows  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -274,6 +277,28 @@ def test_fused_shrink_gives_the_separate_shrinks_bits_and_advances_its_epoch(mon
     for i, (a, c) in enumerate(zip(fused, separate, strict=True)):
         assert torch.equal(a, c), ("y", "S", "dx", "dA", "dB")[i % 5] + f" of call {i // 5 + 1}"
     check_against_eager(*inputs, SCALE, drop)
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _fused_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    tl.store(out_ptr + 2 * tl.program_id(0), pid_m)
+    tl.store(out_ptr + 2 * tl.program_id(0) + 1, pid_n)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="a tiny kernel that runs the tile order alone")
+def test_fused_tile_order_covers_every_tile_once_and_puts_each_producer_before_its_consumers():
+    grids = [(1, 1, 8), (1, 5, 8), (3, 3, 2), (7, 4, 2), (17, 3, 8), (16, 2, 8), (9, 6, 3)]
+    for num_pid_m, num_pid_n, group_m in grids:  # (row blocks, column tiles, GROUP_M): whole and partial groups
+        tiles = num_pid_m * num_pid_n
+        out = torch.full((tiles, 2), -1, dtype=torch.int32)
+        _tile_order_kernel[(tiles,)](out, num_pid_m, num_pid_n, group_m)
+        pairs = [tuple(v) for v in out.tolist()]
+        assert sorted(pairs) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)], pairs
+        produced = set()
+        for m, n in pairs:
+            assert n == 0 or m in produced, f"row block {m}'s consumer comes before its producer: {pairs}"
+            produced |= {m} if n == 0 else set()
 
 
 def test_fused_shrink_needs_describable_factor_rows_and_a_small_rank():

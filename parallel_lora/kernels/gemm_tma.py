@@ -134,13 +134,34 @@ def _k_loop(
 
 @triton.jit
 def _fused_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """The fused shrink's order: the ``num_pid_m`` producer tiles (column tile 0 of every row block) first,
-    then the other column tiles in grouped order. A consumer's producer always has a lower tile id, so a
-    program never waits for a tile it would only reach later itself."""
-    if tile_id < num_pid_m:
-        return tile_id, 0
-    pid_m, pid_n = _tile_coords(tile_id - num_pid_m, num_pid_m, num_pid_n - 1, GROUP_M)
-    return pid_m, pid_n + 1
+    """The fused shrink's tile order. Row blocks form groups of ``GROUP_M`` as in ``_tile_coords``; a group's
+    producers (its column tile 0s) run one group ahead of its consumers (its other tiles, in grouped order):
+
+        P_0 | P_1 C_0 | P_2 C_1 | ... | P_last C_last-1 | C_last
+
+    so a producer reads its rows about one group (a wave, at N = 16 tiles) before their consumers need s and
+    re-read them from L2, and a consumer's producer always has a lower tile id: a program never waits for a
+    tile it would only reach later itself."""
+    num_groups = tl.cdiv(num_pid_m, GROUP_M)
+    last_rows = num_pid_m - (num_groups - 1) * GROUP_M
+    first_rows = tl.minimum(num_pid_m, GROUP_M)
+    full = GROUP_M * num_pid_n  # a block "P_g+1 C_g" of two whole groups
+    q = tile_id - first_rows
+    # Blocks 0 .. num_groups - 3 are whole; block num_groups - 2 holds the last group's producers (last_rows of
+    # them), and the final block C_last alone starts after it.
+    last_start = tl.where(num_groups >= 2, (num_groups - 2) * full + last_rows + GROUP_M * (num_pid_n - 1), 0)
+    in_last = q >= last_start
+    j = tl.where(in_last, num_groups - 1, q // full)
+    r = tl.where(in_last, q - last_start, q - j * full)
+    next_rows = tl.where(j + 1 < num_groups - 1, GROUP_M, tl.where(j + 1 == num_groups - 1, last_rows, 0))
+    rows = tl.where(j < num_groups - 1, GROUP_M, last_rows)
+    c = r - next_rows
+    producer = r < next_rows
+    pid_m = tl.where(producer, (j + 1) * GROUP_M + r, j * GROUP_M + c % rows)
+    pid_n = tl.where(producer, 0, 1 + c // rows)
+    pid_m = tl.where(q < 0, tile_id, pid_m)  # P_0
+    pid_n = tl.where(q < 0, 0, pid_n)
+    return pid_m, pid_n
 
 
 @triton.jit
