@@ -10,12 +10,10 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
 - ``cublas_y`` / ``cublas_dx`` ``F.linear(x, W)`` and ``dy @ W``: the base layer's two GEMMs
 - ``gemm_y`` / ``gemm_dx``     our GEMM with the rank-r term folded in (``_r0``: a rank of zero, the bare
                                core; ``_ptr``: the portable pointer kernel instead of the TMA one; ``_drop``:
-                               dx with the "pre" dropout mask on the LoRA term; ``_fused``: the GEMM that
-                               computes S / G itself, the shrink's work included)
+                               dx with the "pre" dropout mask on the LoRA term)
 - ``shrink_S`` / ``shrink_G``  ``S = s x A^T`` and ``G = s dy B`` (``_drop``: with the "pre" mask on x)
 - ``reduce_dB`` / ``reduce_dA`` ``dB = dy^T S`` and ``dA = G^T x`` (``_drop``: with the mask on x)
-- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``; ``_separate``:
-                               with the shrink as its own launch, as before the GEMM computed S / G itself)
+- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``)
 
 with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
 autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
@@ -77,31 +75,6 @@ def pointer_only(fn):
     return run
 
 
-def separate_shrink(fn):
-    """Run ``fn`` with the op's shrink as a launch of its own (the GEMM does not compute S / G)."""
-    from parallel_lora.kernels import lora
-
-    def run():
-        saved = lora.fuses_shrink
-        lora.fuses_shrink = lambda *a: False
-        lora._FORWARD_SITES.clear()
-        lora._BACKWARD_SITES.clear()
-        try:
-            return fn()
-        finally:
-            lora.fuses_shrink = saved
-            lora._FORWARD_SITES.clear()
-            lora._BACKWARD_SITES.clear()
-
-    return run
-
-
-def fused_gemm(x, w, f, u, s):
-    """Our GEMM computing its rank-r activation itself: ``(out, s)``."""
-    out_s = torch.empty(x.shape[0], u.shape[1], device=x.device, dtype=x.dtype)
-    return lora_gemm(x, w, None, out_s, f, u=u, s_scale=s), out_s
-
-
 def run_shape(M, K, N, r, reps, rounds=1, only=None):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -132,12 +105,6 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None):
         "reduce_both_dA": rel(lora_adapter_grads(x, G, dy, S)[0], G.float().t() @ x.float()),
         "reduce_both_dB": rel(lora_adapter_grads(x, G, dy, S)[1], dy.float().t() @ S.float()),
     }
-    if gemm.fuses_shrink(x, W.t(), A.t()):
-        y_f, S_f = fused_gemm(x, W.t(), B.t(), A.t(), s)
-        checks["gemm_y_fused"], checks["gemm_y_fused_S"] = rel(y_f, y_ref), rel(S_f, S)
-    if gemm.fuses_shrink(dy, W, B):
-        dx_f, G_f = fused_gemm(dy, W, A, B, s)
-        checks["gemm_dx_fused"], checks["gemm_dx_fused_G"] = rel(dx_f, dx_ref), rel(G_f, G)
     for name, err in checks.items():
         if not err < 1e-2:
             raise RuntimeError(f"{name} at {M},{K},{N},{r}: rel err {err:.3g}")
@@ -164,16 +131,10 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None):
             (x.numel() + dy.numel()) * 2,
         ),
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
-        "forward_separate": (separate_shrink(lambda: kernels.forward(x, W, None, A, B, s, None)), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
         "backward": (lambda: kernels.backward(dy, x, W, A, B, S, s, None), None),
-        "backward_separate": (separate_shrink(lambda: kernels.backward(dy, x, W, A, B, S, s, None)), None),
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
     }
-    if "gemm_y_fused" in checks:
-        cases["gemm_y_fused"] = (lambda: fused_gemm(x, W.t(), B.t(), A.t(), s), None)
-    if "gemm_dx_fused" in checks:
-        cases["gemm_dx_fused"] = (lambda: fused_gemm(dy, W, A, B, s), None)
     if only:
         cases = {name: case for name, case in cases.items() if name in only}
     times = {name: [] for name in cases}

@@ -18,6 +18,9 @@ forward, and forward+backward with W frozen (``torch.autograd.grad`` for x, A, B
 ``.grad`` is not timed; the base's backward is its dx GEMM), and the memory held between forward and
 backward. Prints a table and writes ``{"meta": ..., "rows": [...]}``.
 
+``--graph`` captures each implementation's forward and its forward+backward in CUDA graphs and times the
+replays: the GPU time alone, as a step captured whole would run (short sequences are host-bound otherwise).
+
 ``--rounds N`` times every implementation of a row N times in turn, each round led by another one, and
 reports medians over rounds; a ratio is the median over rounds of the time over the base's time of the same
 round (each round's times are kept in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``).
@@ -118,7 +121,22 @@ def validate(impls, x, A, B, s):
     return errs
 
 
-def time_impl(name, f, x, dy, A, B, reps):
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up launches on a side stream, which tune and compile): the
+    returned replay runs the same kernels with no host work between them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_impl(name, f, x, dy, A, B, reps, graph=False):
     from triton.testing import do_bench
 
     params = [] if name == "base" else _params(f, A, B)
@@ -132,6 +150,8 @@ def time_impl(name, f, x, dy, A, B, reps):
         y = f(x)
         return torch.autograd.grad(y, inputs, dy)
 
+    if graph:
+        fwd, fwdbwd = graphed(fwd), graphed(fwdbwd)
     fwd_ms = do_bench(fwd, warmup=25, rep=reps, return_mode="median")
     fwdbwd_ms = do_bench(fwdbwd, warmup=25, rep=reps, return_mode="median")
     torch.cuda.synchronize()
@@ -142,7 +162,7 @@ def time_impl(name, f, x, dy, A, B, reps):
     return fwd_ms, fwdbwd_ms, held / 2**20
 
 
-def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rounds=1):
+def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rounds=1, graph=False):
     """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows.
     ``rounds`` times every implementation of a row that many times, in turn, each round led by another."""
     rows = []
@@ -161,13 +181,13 @@ def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rou
                 fwd, fwdbwd, held = ({n: [] for n in names} for _ in range(3))
                 for rnd in range(rounds):  # a fixed order would favour whichever is timed first
                     for name in round_order(names, rnd):
-                        f_ms, fb_ms, held_mib = time_impl(name, impls[name], x, dy, A, B, reps)
+                        f_ms, fb_ms, held_mib = time_impl(name, impls[name], x, dy, A, B, reps, graph)
                         fwd[name].append(f_ms)
                         fwdbwd[name].append(fb_ms)
                         held[name].append(held_mib)
                 for name in names:
                     rows.append({
-                        "shape": [M, K, N, r], "impl": name, "dropout": p,
+                        "shape": [M, K, N, r], "impl": name, "dropout": p, "graph": graph,
                         "adapter_dtype": str(adapter_dtype).replace("torch.", ""),
                         "fwd_ms": statistics.median(fwd[name]), "fwdbwd_ms": statistics.median(fwdbwd[name]),
                         "fwd_ratio": ratio_over_rounds(fwd[name], fwd["base"]),
@@ -203,6 +223,8 @@ def main():
     parser.add_argument("--dropouts", default="0.0,0.1", help="comma-separated dropout probabilities")
     parser.add_argument("--adapter-dtypes", default="bfloat16,float32", help="comma-separated adapter dtypes")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per row (medians)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays of each step (GPU time alone, no host); dropout 0 only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora.py needs a CUDA GPU")
@@ -236,7 +258,9 @@ def main():
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         os.replace(tmp, out)
 
-    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save, rounds=args.rounds)
+    if args.graph and any(p > 0 for p in dropouts):
+        sys.exit("--graph: LoRA dropout cannot be captured (its seed is drawn per call); pass --dropouts 0.0")
+    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save, rounds=args.rounds, graph=args.graph)
     print(f"wrote {out}")
 
 

@@ -71,6 +71,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def refuse_frozen_masks(dropout: Dropout | None, x: torch.Tensor) -> None:
+    """Raise if a dropout mask would be captured into a CUDA graph: its seed is drawn on the host at each call,
+    so every replay would drop the same elements, silently."""
+    if dropout is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"LoRA dropout (p={dropout.p}) cannot be captured in a CUDA graph: its mask seed is drawn on the "
+            "host at each call, so every replay would reuse the captured mask. Capture with dropout=0.0 (or "
+            "the module in eval mode), or run the step eagerly."
+        )
+
+
 class LoRALinearFunction(torch.autograd.Function):
     """One LoRA linear on already-canonicalized tensors.
 
@@ -83,6 +94,7 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_comm=None, output_comm=None):
+        refuse_frozen_masks(dropout, x)
         forward = _impl(backend)[0]
         # Tensor parallel (``parallel_lora.comm``): ``input_comm`` brings x to the full input (identity, or the
         # sequence-parallel all-gather, once for base and LoRA together) and sums dx over ranks in backward;

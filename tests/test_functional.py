@@ -603,3 +603,60 @@ def test_gpu_autocast_promoted_input_reaches_the_kernel_as_bf16(monkeypatch):
     y.backward(torch.randn_like(y))
     assert seen == {"forward": {BF16}, "backward": {BF16}}
     assert inp.x_leaf.grad.dtype == F32 and inp.lora_A.grad.dtype == F32
+
+
+def test_dropout_refuses_cuda_graph_capture(monkeypatch):
+    # The mask seed is drawn on the host per call: a captured step would replay one mask forever.
+    from types import SimpleNamespace
+
+    from parallel_lora.functional import refuse_frozen_masks
+
+    cuda_x = SimpleNamespace(is_cuda=True)
+    drop = Dropout(p=0.1, seed=3, position="pre")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        refuse_frozen_masks(drop, cuda_x)
+    refuse_frozen_masks(None, cuda_x)  # no dropout: capture is fine
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    refuse_frozen_masks(drop, cuda_x)  # not capturing: fine
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
+    # Short sequences are host-bound; a user captures the step in a CUDA graph. The fused kernels (bound
+    # launches, per-stream workspaces, in-kernel counters left at zero) must replay to the eager results.
+    from parallel_lora import LoRAConfig, LoRALinear
+
+    torch.manual_seed(0)
+    cfg = LoRAConfig(r=16, alpha=32, lora_dtype=F32)
+    layer = LoRALinear(1024, 768, cfg, dtype=BF16, device="cuda")
+    torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
+    params = [layer.lora_A.weight, layer.lora_B.weight]
+    x = torch.randn(2048, 1024, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(2048, 768, device="cuda", dtype=BF16)
+
+    def step():
+        y = layer(x)
+        return (y.detach(), *torch.autograd.grad(y, [x, *params], dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()  # tune, compile and bind before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for scale in (1.0, -0.5):
+        with torch.no_grad():
+            x.mul_(scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
+            assert torch.equal(a, b), name
+    dropping = LoRALinear(1024, 768, LoRAConfig(r=16, alpha=32, dropout=0.1), dtype=BF16, device="cuda").train()
+    with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        dropping(x)

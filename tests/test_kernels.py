@@ -17,8 +17,6 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from parallel_lora import eager
 from parallel_lora.dropout import Dropout, keep_mask
@@ -33,7 +31,6 @@ if not (INTERPRETING or HAS_CUDA):
 from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
 from parallel_lora.kernels import configs as kconfigs  # noqa: E402
 from parallel_lora.kernels.dropout_mask import hash_uniform as triton_hash_uniform  # noqa: E402
-from parallel_lora.kernels.gemm_tma import _fused_coords  # noqa: E402
 from parallel_lora.kernels.rank_reduce import split_rows  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -219,101 +216,6 @@ def test_backward_is_at_most_three_launches_and_nothing_else(monkeypatch, M):
     launched.clear()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False, needs_dA=False)
     assert launched == ["reduce"]
-
-
-@pytest.mark.parametrize("position", ["none", "post", "pre"])
-def test_16bit_tma_operands_take_one_forward_and_two_backward_launches(monkeypatch, position):
-    # Where the TMA GEMM takes the operands, it computes S (forward) and G (dx) itself: no shrink launch. "pre"
-    # dropout masks x for the shrink alone, so it keeps the separate shrink; so does a backward without dx.
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
-    x, weight, b, lora_A, lora_B, dy = make_inputs(70, 96, 80, 16, torch.bfloat16)
-    drop = DROPOUTS[position]
-    launched = _count_launches(monkeypatch)
-    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
-    shrink = ["shrink"] if position == "pre" else []
-    assert launched == [*shrink, "gemm_tma", *shrink, "gemm_tma", "reduce"]
-    launched.clear()
-    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, needs_dx=False)
-    assert launched == ["shrink", "reduce"]
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="the interpreter's program order decides which consumers wait")
-@pytest.mark.parametrize("programs", [1, 2, 3])
-@pytest.mark.parametrize("position", ["none", "post"])
-@pytest.mark.parametrize("r", [8, 16, 24])
-def test_fused_shrink_gives_the_separate_shrinks_bits_and_advances_its_epoch(monkeypatch, r, position, programs):
-    # The interpreter runs the persistent grid's programs one after another. With one program every producer
-    # publishes before its consumers run; with several, the first program's consumers of row blocks whose
-    # producer belongs to a later program find nothing published and compute their rows themselves. Either
-    # way every output must be the separate-shrink path's, bit for bit (same tiles, same order). Each launch
-    # advances the stream's epoch, so a second call (new values, the flags still holding the first call's
-    # epoch) must not read the first call's s.
-    from parallel_lora.kernels import gemm_tma, lora
-
-    monkeypatch.setattr(gemm_tma, "INTERP_PROGRAMS", programs)
-    drop = DROPOUTS[position]
-    inputs = make_inputs(70, 96, 80, r, torch.bfloat16)  # 3 x 3 output tiles of 32, tails in M and N
-    x, weight, b, lora_A, lora_B, dy = inputs
-
-    def both_calls():
-        lora._FORWARD_SITES.clear()
-        lora._BACKWARD_SITES.clear()
-        outs = []
-        for x_i, dy_i in ((x, dy), (x * 0.5, dy * -2.0)):
-            y, s_lora = kernels.forward(x_i, weight, b, lora_A, lora_B, SCALE, drop)
-            outs += [y, s_lora, *kernels.backward(dy_i, x_i, weight, lora_A, lora_B, s_lora, SCALE, drop)]
-        return outs
-
-    epoch = {key: int(sync[0]) for key, sync in gemm_tma._SYNC.items()}
-    fused = both_calls()
-    assert all(site[0] for site in (*lora._FORWARD_SITES.values(), *lora._BACKWARD_SITES.values()))
-    ((key, sync),) = gemm_tma._SYNC.items()
-    assert int(sync[0]) == epoch.get(key, 0) + 4, "each of the four fused launches advances the epoch once"
-    assert sync[1] == 0, "the program arrival count was left non-zero"
-    monkeypatch.setattr(lora, "fuses_shrink", lambda *args: False)
-    separate = both_calls()
-    for i, (a, c) in enumerate(zip(fused, separate, strict=True)):
-        assert torch.equal(a, c), ("y", "S", "dx", "dA", "dB")[i % 5] + f" of call {i // 5 + 1}"
-    check_against_eager(*inputs, SCALE, drop)
-
-
-@triton.jit
-def _tile_order_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _fused_coords(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    tl.store(out_ptr + 2 * tl.program_id(0), pid_m)
-    tl.store(out_ptr + 2 * tl.program_id(0) + 1, pid_n)
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="a tiny kernel that runs the tile order alone")
-def test_fused_tile_order_covers_every_tile_once_and_puts_each_producer_before_its_consumers():
-    grids = [(1, 1, 8), (1, 5, 8), (3, 3, 2), (7, 4, 2), (17, 3, 8), (16, 2, 8), (9, 6, 3)]
-    for num_pid_m, num_pid_n, group_m in grids:  # (row blocks, column tiles, GROUP_M): whole and partial groups
-        tiles = num_pid_m * num_pid_n
-        out = torch.full((tiles, 2), -1, dtype=torch.int32)
-        _tile_order_kernel[(tiles,)](out, num_pid_m, num_pid_n, group_m)
-        pairs = [tuple(v) for v in out.tolist()]
-        assert sorted(pairs) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)], pairs
-        produced = set()
-        for m, n in pairs:
-            assert n == 0 or m in produced, f"row block {m}'s consumer comes before its producer: {pairs}"
-            produced |= {m} if n == 0 else set()
-
-
-def test_fused_shrink_needs_describable_factor_rows_and_a_small_rank():
-    # G = dy B reads B [N, r] through a TMA descriptor: rows of r 16-bit elements must be 16-byte multiples.
-    from parallel_lora.kernels.gemm import fuses_shrink
-    from parallel_lora.kernels.gemm_tma import FUSE_MAX_RANK
-
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
-    for r, fuses in ((8, True), (FUSE_MAX_RANK, True), (12, False), (FUSE_MAX_RANK + 8, False)):
-        x, weight, _, lora_A, lora_B, dy = make_inputs(40, 96, 80, r, torch.bfloat16)
-        assert fuses_shrink(dy, weight, lora_B) == fuses, r
-        assert fuses_shrink(x, weight.t(), lora_A.t()) == (r <= FUSE_MAX_RANK), r
-    x, weight, _, lora_A, lora_B, dy = make_inputs(40, 96, 80, 16, torch.float32)
-    assert not fuses_shrink(x, weight.t(), lora_A.t()), "fp32 has no TMA path"
 
 
 def test_split_on_gpu_is_a_function_of_the_shape_and_fills_the_device(monkeypatch):
@@ -527,18 +429,14 @@ def _spec(kernel):
 
 
 @pytest.mark.parametrize("smem_limit", [101_376, 232_448], ids=["100KB", "H200"])
-@pytest.mark.parametrize("r_pad", [16, 32, 256])
+@pytest.mark.parametrize("r_pad", [16, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kernel", [*_SPECS, "gemm_tma_fused"])
+@pytest.mark.parametrize("kernel", list(_SPECS))
 def test_pruned_configs_fit_shared_memory(kernel, dtype, r_pad, smem_limit):
-    fused = kernel == "gemm_tma_fused"
-    kernel = "gemm_tma" if fused else kernel
     if kernel == "gemm_tma" and dtype == torch.float32:
         pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
-    if fused and r_pad > 32:
-        pytest.skip("the GEMM computes S / G itself up to FUSE_MAX_RANK = 32 only")
     spec, sizes = _spec(kernel)
-    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64), "FUSE_SHRINK": fused}
+    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
     nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
     kept = kconfigs.prune(spec, spec.configs(), nargs, smem_limit=smem_limit, **consts)
     assert kept
@@ -575,6 +473,19 @@ def test_launch_sizes_bucket_the_token_count_and_keep_the_layer_sizes():
     assert sizes(3000, 4095, 16) != sizes(3000, 4096, 16) and sizes(3000, 4096, 8) != sizes(3000, 4096, 16)
     with pytest.raises(ValueError, match="start with the token count M"):
         kconfigs.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
+
+
+def test_each_constexpr_variant_of_a_kernel_tunes_its_own_config():
+    # Triton's autotuner keys its cache on the key sizes and dtypes only: a dx GEMM with the "pre" mask (more
+    # registers) sharing the plain dx GEMM's autotuner would reuse the config tuned, and pruned for shared
+    # memory, for the other variant. One autotuner per constexpr variant.
+    from parallel_lora.kernels import gemm
+
+    plain = {"HAS_BIAS": False, "LORA_DROP": False, "BLOCK_R": 16}
+    masked = {**plain, "LORA_DROP": True}
+    tuner = kconfigs._tuned(gemm._SPEC, gemm._lora_gemm_kernel, plain)
+    assert kconfigs._tuned(gemm._SPEC, gemm._lora_gemm_kernel, dict(plain)) is tuner
+    assert kconfigs._tuned(gemm._SPEC, gemm._lora_gemm_kernel, masked) is not tuner
 
 
 def _layouts(M, K, N, r, dtype, bias):
@@ -738,8 +649,7 @@ def test_gpu_bf16_llama_shape_matches_fp64(position):
     [
         (1, 4096, 4096, 16),
         (1000, 1001, 999, 5),  # unaligned rows: the pointer GEMM
-        (1000, 1024, 1016, 5),  # aligned rows with M / N tails: the TMA GEMM on Hopper (S fused, G not: r = 5)
-        (1000, 1024, 1016, 24),  # the same computing S and G in the GEMM, R_PAD = 32
+        (1000, 1024, 1016, 5),  # aligned rows with M / N tails: the TMA GEMM on Hopper
         (333, 257, 129, 256),
         (333, 264, 136, 256),  # TMA with four rank chunks in the epilogue
         (77, 33, 65, 1),
@@ -766,36 +676,6 @@ def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
     assert torch.equal(kernels.dropout_keep_mask(drop, 512, 1024, "cuda"), keep_mask(drop, 512, 1024, "cuda"))
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("position", [None, "post"])
-def test_gpu_fused_shrink_consumers_computing_their_own_rows_give_the_same_bits(monkeypatch, position):
-    # A consumer that finds its row block's S / G unpublished computes it from the same tiles in the same order
-    # as the producer: with no polling at all (most consumers of the first wave compute their own), y, S and
-    # every gradient must be the polling run's, bit for bit.
-    from parallel_lora.kernels import gemm_tma
-
-    torch.manual_seed(0)
-    x, weight, b, lora_A, lora_B, dy = make_inputs(4096, 2048, 4096, 16, torch.bfloat16, device="cuda")
-    drop = None if position is None else Dropout(p=0.1, seed=7, position=position)
-
-    def run():
-        y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-        return (y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop))
-
-    polled = run()
-    monkeypatch.setattr(gemm_tma, "MAX_SPINS_GPU", 0)
-    computed = run()
-    torch.cuda.synchronize()
-    for name, a, c in zip(("y", "S", "dx", "dA", "dB"), polled, computed, strict=True):
-        assert torch.equal(a, c), name
-    assert gemm_tma._SYNC and all(sync[1] == 0 for sync in gemm_tma._SYNC.values())
-    ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
-    mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
-    for name, out, want, m in zip(("y", "S", "dx", "dA", "dB"), computed, ref, mag, strict=True):
-        assert_matches(name, out, want, m, torch.bfloat16, GPU_TOL[torch.bfloat16])
 
 
 @gpu
@@ -913,10 +793,16 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
     assert tuner_calls, "a new bucket must tune"
 
 
-def _compile_every_config(monkeypatch, module) -> list:
-    """Patch ``module.launch`` to compile, instead of launching, every config the pruning estimate admits on
-    this GPU, and fail if one does not fit or allocates more shared memory than estimated."""
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("r", [16, 256])
+def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
+    # The fused adapter-gradient kernel holds two reduction loops (x's tiles, dy's tiles); the pruning
+    # estimate must still bound what the compiler allocates, or a ~100 KB GPU could be handed a config
+    # that does not fit.
     from triton.runtime.errors import OutOfResources
+
+    from parallel_lora.kernels import rank_reduce
 
     limit = kconfigs.max_shared_mem(torch.cuda.current_device())
     checked = []
@@ -937,40 +823,10 @@ def _compile_every_config(monkeypatch, module) -> list:
             assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
             checked.append(cfg)
 
-    monkeypatch.setattr(module, "launch", compile_each)
-    return checked
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("r", [16, 256])
-def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
-    # The fused adapter-gradient kernel holds two reduction loops (x's tiles, dy's tiles); the pruning
-    # estimate must still bound what the compiler allocates, or a ~100 KB GPU could be handed a config
-    # that does not fit.
-    from parallel_lora.kernels import rank_reduce
-
-    checked = _compile_every_config(monkeypatch, rank_reduce)
+    monkeypatch.setattr(rank_reduce, "launch", compile_each)
     torch.manual_seed(0)
     M, K, N = 4096, 1024, 512
     x, dy = (torch.randn(M, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     rank_reduce.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=1, drop_x=True)
-    assert checked
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("r", [16, 32])
-def test_gpu_fused_shrink_gemm_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
-    # The TMA GEMM that computes S itself streams u tiles beside x and W tiles, in three K loops (producer,
-    # consumer, a consumer's own rows).
-    from parallel_lora.kernels import gemm, gemm_tma
-
-    checked = _compile_every_config(monkeypatch, gemm_tma)
-    torch.manual_seed(0)
-    x, weight, _, lora_A, lora_B, _ = make_inputs(4096, 1024, 2048, r, torch.bfloat16, device="cuda")
-    assert gemm.fuses_shrink(x, weight.t(), lora_A.t())
-    s_lora = torch.empty(4096, r, device="cuda", dtype=torch.bfloat16)
-    gemm.lora_gemm(x, weight.t(), None, s_lora, lora_B.t(), u=lora_A.t(), s_scale=SCALE)
     assert checked

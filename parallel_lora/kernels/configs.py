@@ -114,12 +114,10 @@ def gemm_tma_configs() -> list[triton.Config]:
 
 
 def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Per stage one x and one w tile (and with the fused shrink one u tile); half the output tile is staged in
-    # shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their way to
-    # the tensor cores.
+    # Per stage one x and one w tile; half the output tile is staged in shared memory for its TMA store; the
+    # rank-r tiles of one chunk go through shared memory on their way to the tensor cores.
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
-    u = bk * consts["R_PAD"] if consts.get("FUSE_SHRINK") else 0
-    return (stages * ((bm + bn) * bk + u) + bm * bn // 2 + (bm + bn) * br) * elem
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem
 
 
 def shrink_configs() -> list[triton.Config]:

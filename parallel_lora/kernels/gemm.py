@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, pad_rank, split_seed
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
 from .configs import (
     GEMM_KEY,
     MAX_BLOCK_R,
@@ -38,7 +38,7 @@ from .configs import (
     launch,
 )
 from .dropout_mask import keep_tile
-from .gemm_tma import FUSE_MAX_RANK, lora_gemm_tma, stored, tma_compatible, tma_rows
+from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -155,16 +155,6 @@ _SPEC = KernelSpec(
 )
 
 
-def fuses_shrink(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> bool:
-    """Whether ``lora_gemm(x, w, ..., u=u)`` can compute its rank-r activation itself: the Hopper TMA kernel takes
-    the operands (``u [K_red, r]`` too, in its stored orientation) and ``r <= FUSE_MAX_RANK``. ("pre" dropout,
-    which masks x for the shrink alone, the caller rules out.)"""
-    n_out = w.shape[1]
-    return (
-        u.shape[1] <= FUSE_MAX_RANK and n_out > 0 and tma_compatible(x, stored(w), n_out) and tma_rows(stored(u))
-    )
-
-
 def lora_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -172,9 +162,6 @@ def lora_gemm(
     s: torch.Tensor,
     f: torch.Tensor,
     *,
-    u: torch.Tensor | None = None,
-    s_scale: float = 1.0,
-    drop_post: bool = False,
     p: float = 0.0,
     seed: int = 0,
     n_offset: int = 0,
@@ -183,12 +170,8 @@ def lora_gemm(
 ) -> torch.Tensor:
     """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``; any
     strides (``w`` may be ``W.t()``). ``drop`` (when ``lora_drop``) is the "pre" keep-mask of output columns
-    shifted by ``n_offset``, times ``1/(1-p)``.
-
-    With ``u [K_red, r]`` (``A.t()`` or ``B``; only where ``fuses_shrink``), ``s`` is an output: the kernel
-    fills it with ``c * drop_post(x @ u)``, ``c = s_scale / (1 - p)`` under ``drop_post`` else ``s_scale``
-    (the shrink's math, ``shrink.lora_shrink``), and uses it, all in one launch. Inputs are assumed checked by
-    the caller, which passes a ``site`` bound to this operand layout (filled here at the layout's first call)."""
+    shifted by ``n_offset``, times ``1/(1-p)``. Inputs are assumed checked by the caller, which passes a
+    ``site`` bound to this operand layout (filled here at the layout's first call)."""
     M = x.shape[0]
     N_out = w.shape[1]
     out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
@@ -196,42 +179,40 @@ def lora_gemm(
         return out
     seed_lo, seed_hi = split_seed(seed)
     keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
+    # Both kernels take (x, w, bias, s, f, out) and these runtime scalars. The TMA kernel may read w through
+    # w.t(): the same address, and a launch reads only the tensors' addresses.
+    tensors = (x, w, bias if bias is not None else out, s, f, out)
     runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
-    hit = site is not None and site.bound is not None
-    if hit and not site.info[0]:
-        site.bound.launch((x, w, bias if bias is not None else out, s, f, out), runtime)
+    if site is not None and site.bound is not None:
+        if site.info[0]:
+            ensure_allocator()
+        site.bound.launch(tensors, runtime)
         return out
-    # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
-    # for dx, or W = w.t() for y (the same address: a launch reads only the tensors' addresses).
-    w_tma = stored(w)
-    w_nk = w_tma is not w
-    if hit or tma_compatible(x, w_tma, N_out):
-        c = s_scale / (1.0 - p) if drop_post else s_scale
-        lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, u, (*runtime, float(c)), lora_drop=lora_drop,
-                      drop_post=drop_post, site=site)  # fmt: skip
-        if site is not None:
-            site.info = (True,)
-        return out
-    if u is not None:
-        raise ValueError("lora_gemm: u= (the fused shrink) needs operands the TMA kernel takes (fuses_shrink)")
     K_red = x.shape[1]
     R = s.shape[1]
+    # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
+    # for dx, or W = w.t() for y.
+    w_nk = w.stride(0) == 1 and w.stride(1) != 1
+    w_tma = w.t() if w_nk else w
+    use_tma = tma_compatible(x, w_tma, N_out)
+    if use_tma:
+        bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop)
+    else:
 
-    def build():
-        static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
-                  bias.stride(0) if bias is not None else 0)  # fmt: skip
-        consts = {
-            "HAS_BIAS": bias is not None,
-            "LORA_DROP": lora_drop,
-            "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
-            **dot_options(x.dtype),
-        }
-        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
+        def build():
+            static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
+                      bias.stride(0) if bias is not None else 0)  # fmt: skip
+            consts = {
+                "HAS_BIAS": bias is not None,
+                "LORA_DROP": lora_drop,
+                "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
+                **dot_options(x.dtype),
+            }
+            return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
-    signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
-                 s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
-    tensors = (x, w, bias if bias is not None else out, s, f, out)
-    bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
+        signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
+                     s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
+        bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
     if site is not None:
-        site.info, site.bound = (False,), bound
+        site.info, site.bound = (use_tma and not interpreting(),), bound
     return out

@@ -10,9 +10,6 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
               dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
 
-Where the Hopper TMA GEMM takes the operands and no "pre" dropout masks x for the shrink alone, the GEMM
-computes S (forward) and G (dx) itself (``gemm_tma``'s fused shrink): one launch forward, two backward.
-
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
 arguments. The oracle is ``parallel_lora.eager``.
@@ -27,7 +24,7 @@ import torch
 from ..dropout import Dropout
 from ._interp import MAX_RANK, interpreting
 from .configs import Site
-from .gemm import fuses_shrink, lora_gemm
+from .gemm import lora_gemm
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
 
@@ -129,8 +126,8 @@ def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs
 # call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
 # checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
 # machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
-_FORWARD_SITES: dict[tuple, tuple[bool, Site, Site]] = {}  # (fused shrink, shrink site, GEMM site)
-_BACKWARD_SITES: dict[tuple, tuple[bool, Site, Site, Site]] = {}  # (fused, shrink, dx GEMM, adapter grads)
+_FORWARD_SITES: dict[tuple, tuple[Site, Site]] = {}
+_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site]] = {}
 
 
 def _active(dropout: Dropout | None) -> Dropout | None:
@@ -161,26 +158,20 @@ def forward(
     except AttributeError:  # not a tensor: the checks say which
         key = None
     sites = _FORWARD_SITES.get(key)
-    pre = mode == "pre"
     if sites is None:
         M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
         _check_tensors(
             {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
             {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
         )
-        sites = (not pre and fuses_shrink(x, weight.t(), lora_A.t()), Site(), Site())
-    fused, shrink_site, gemm_site = sites
-    if fused:
-        # One launch: the GEMM computes S itself (gemm_tma's FUSE_SHRINK) and adds S B^T to its accumulator.
-        s_lora = torch.empty(x.shape[0], lora_A.shape[0], device=x.device, dtype=x.dtype)
-        y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), u=lora_A.t(), s_scale=float(scale),
-                      drop_post=mode == "post", **_drop_kwargs(drop), site=gemm_site)  # fmt: skip
-    else:
-        s_lora = lora_shrink(
-            x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=drop.k_offset if pre else 0,
-            **_drop_kwargs(drop), site=shrink_site,
-        )  # fmt: skip
-        y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=gemm_site)
+        sites = (Site(), Site())
+    pre = mode == "pre"
+    k_offset = drop.k_offset if pre else 0
+    s_lora = lora_shrink(
+        x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=k_offset,
+        **_drop_kwargs(drop), site=sites[0],
+    )  # fmt: skip
+    y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=sites[1])
     if key is not None:  # stored once filled: another thread never reads a half-bound site
         _FORWARD_SITES[key] = sites
     return y, s_lora
@@ -232,30 +223,21 @@ def backward_unchecked(
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
-    sites = _BACKWARD_SITES.get(key)
-    if sites is None:
-        sites = (needs_dx and not pre and fuses_shrink(dy, weight, lora_B), Site(), Site(), Site())
-    fused, shrink_site, gemm_site, grads_site = sites
+    sites = _BACKWARD_SITES.get(key) or (Site(), Site(), Site())
     dx = dA = dB = None
-    # Three launches at most, two when the dx GEMM computes G itself (fused). The long dx GEMM goes first
-    # (right after the G it needs), so the GPU is busy with it while the host (autograd's device thread,
-    # slower than the main one) issues the adapter gradients.
+    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
+    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
     g = None
-    if fused:
-        g = torch.empty(dy.shape[0], lora_B.shape[1], device=dy.device, dtype=dy.dtype)
-        dx = lora_gemm(dy, weight, None, g, lora_A, u=lora_B, s_scale=float(scale), drop_post=mode == "post",
-                       **_drop_kwargs(drop), site=gemm_site)  # fmt: skip
-    else:
-        if needs_dx or needs_dA:
-            g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=shrink_site)
-        if needs_dx:
-            dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
-                           site=gemm_site)  # fmt: skip
+    if needs_dx or needs_dA:
+        g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
+    if needs_dx:
+        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
+                       site=sites[1])  # fmt: skip
     if needs_dA or needs_dB:
         dA, dB = lora_adapter_grads(
             x if needs_dA else None, g if needs_dA else None,
             dy if needs_dB else None, s_lora if needs_dB else None,
-            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=grads_site,
+            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
         )  # fmt: skip
     # Stored once filled: another thread never reads a half-bound site.
     _BACKWARD_SITES[key] = sites
