@@ -41,7 +41,8 @@ def plot(json_path: str, png_path: str) -> None:
         ax.set_ylabel("time / cuBLAS base F.linear")
     axes[0].legend(fontsize=8)
     meta = data["meta"]
-    fig.suptitle(f"{meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
+    mode = ", CUDA-graph replays (GPU time)" if any(r.get("graph") for r in data["rows"]) else ""
+    fig.suptitle(f"{meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}{mode}")
     fig.tight_layout()
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=110)
