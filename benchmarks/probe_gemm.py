@@ -133,6 +133,65 @@ def _alloc(size, alignment, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+def orientations(M: int, K: int, N: int, r: int):
+    """The A/B probes' operands of one shape, bf16, and their cuBLAS cases. Returns ``(cases, orients)``:
+    ``cases`` the cuBLAS GEMMs ``cublas_y`` / ``cublas_dx``; ``orients`` one tuple per GEMM orientation,
+    ``(orient, w_nk, act, W, s, f, (M_out, N_out, K_red), base_ref, rank_ref)``: forward (``y``: x, S, B) and dx
+    (dy, G, A), with fp32 references of the base product and of the rank-r term."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    S = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+    B = torch.randn(N, r, device="cuda", dtype=torch.bfloat16) / r**0.5
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    G = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
+    A = torch.randn(r, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    cases = {"cublas_y": lambda: F.linear(x, W), "cublas_dx": lambda: dy @ W}
+    orients = []
+    for orient, act, s, f in (("y", x, S, B), ("dx", dy, G, A)):
+        w_nk = orient == "y"
+        dims = (M, N, K) if w_nk else (M, K, N)
+        base = act.float() @ (W.float().t() if w_nk else W.float())
+        rank = s.float() @ (f.float().t() if w_nk else f.float())
+        orients.append((orient, w_nk, act, W, s, f, dims, base, rank))
+    return cases, orients
+
+
+def launch_checked(kernel, grid, args: tuple, kw: dict, out: torch.Tensor, ref: torch.Tensor, name: str):
+    """Compile and run one probe variant; its compiled kernel, or None (said why) if it does not compile or
+    its ``out`` is off ``ref`` by 1% or more (relative Frobenius)."""
+    try:
+        compiled = kernel[grid](*args, **kw)
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result too)
+        print(f"{name}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
+        return None
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        print(f"{name}: WRONG rel err {err:.3g}", flush=True)
+        return None
+    return compiled
+
+
+def time_in_rounds(shape, cases: dict, rounds: int, reps: int) -> list[dict]:
+    """Time every case once per round, each round led by another (``rounds.round_order``); one row per case
+    with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round."""
+    import statistics
+
+    from rounds import ratio_over_rounds, round_order
+
+    times = {name: [] for name in cases}
+    for rnd in range(rounds):
+        for name in round_order(list(cases), rnd):
+            times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
+    rows = []
+    for name, ts in times.items():
+        base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
+        row = {"shape": list(shape), "variant": name, "ms": statistics.median(ts), "ratio": ratio_over_rounds(ts, base),
+               "ms_rounds": ts}  # fmt: skip
+        rows.append(row)
+        print(f"{','.join(map(str, shape))} {name:>14}: {row['ms'] * 1e3:7.1f} us  x{row['ratio']:.3f}", flush=True)
+    return rows
+
+
 def probe_gemm(shapes, reps):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []

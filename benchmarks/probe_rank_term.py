@@ -28,14 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import triton
 import triton.language as tl
-from probe_gemm import _alloc, _coords, _tiles  # benchmarks/ is this script's directory
-from rounds import ratio_over_rounds, round_order
-from triton.testing import do_bench
+from probe_gemm import (  # benchmarks/ is this script's folder
+    _alloc,
+    _coords,
+    _tiles,
+    launch_checked,
+    orientations,
+    time_in_rounds,
+)
 
 
 @triton.jit
@@ -124,34 +128,16 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for M, K, N, r in shapes:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        W = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-        S = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
-        B = torch.randn(N, r, device="cuda", dtype=torch.bfloat16) / r**0.5
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        G = torch.randn(M, r, device="cuda", dtype=torch.bfloat16)
-        A = torch.randn(r, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-        cases = {"cublas_y": lambda x=x, W=W: torch.nn.functional.linear(x, W), "cublas_dx": lambda dy=dy, W=W: dy @ W}
-        for orient in ("y", "dx"):
-            w_nk = orient == "y"
-            act, s, f = (x, S, B) if w_nk else (dy, G, A)
-            mm, nn_, kk = (M, N, K) if w_nk else (M, K, N)
-            want = act.float() @ (W.float().t() if w_nk else W.float())
-            lora = s.float() @ (f.float().t() if w_nk else f.float())
+        cases, orients = orientations(M, K, N, r)
+        for orient, w_nk, act, W, s, f, (mm, nn_, kk), want, lora in orients:
             for rank in (0, 1, 2, 3, 4, 5):
                 out = torch.empty(mm, nn_, device="cuda", dtype=torch.bfloat16)
                 grid = (min(nsm, triton.cdiv(mm, CONFIG["BM"]) * triton.cdiv(nn_, CONFIG["BN"])),)
                 kw = dict(RANK=rank, W_NK=w_nk, NUM_SMS=nsm, BR=max(16, r), **CONFIG)
                 args = (act, W, s, f, out, mm, nn_, kk, r)
-                try:
-                    compiled = _probe_rank[grid](*args, **kw)
-                except Exception as e:  # noqa: BLE001  (a variant that does not compile is a result too)
-                    print(f"{orient} rank{rank}: FAILED {type(e).__name__}: {e}"[:400], flush=True)
-                    continue
                 ref = want + lora if rank else want
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:
-                    print(f"{orient} rank{rank}: WRONG rel err {err:.3g}", flush=True)
+                compiled = launch_checked(_probe_rank, grid, args, kw, out, ref, f"{orient} rank{rank}")
+                if compiled is None:
                     continue
                 if ttgir_dir:
                     os.makedirs(ttgir_dir, exist_ok=True)
@@ -162,17 +148,7 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
                 if rank == 4:  # compiled and checked only: timing it would cool the GPU for the next variant
                     continue
                 cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
-        times = {name: [] for name in cases}
-        for rnd in range(rounds):  # interleaved, each round led by another variant
-            for name in round_order(list(cases), rnd):
-                times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
-        for name, ts in times.items():
-            base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
-            ratio = ratio_over_rounds(ts, base)
-            row = {"shape": [M, K, N, r], "variant": name, "ms": statistics.median(ts), "ratio": ratio,
-                   "ms_rounds": ts}  # fmt: skip
-            rows.append(row)
-            print(f"{M},{K},{N},{r} {name:>12}: {row['ms'] * 1e3:7.1f} us  x{ratio:.3f}", flush=True)
+        rows += time_in_rounds((M, K, N, r), cases, rounds, reps)
     return rows
 
 
