@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from rounds import ratio_over_rounds, round_order  # benchmarks/ is this script's folder
 from triton.testing import do_bench
 
 
@@ -174,10 +176,6 @@ def launch_checked(kernel, grid, args: tuple, kw: dict, out: torch.Tensor, ref: 
 def time_in_rounds(shape, cases: dict, rounds: int, reps: int) -> list[dict]:
     """Time every case once per round, each round led by another (``rounds.round_order``); one row per case
     with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round."""
-    import statistics
-
-    from rounds import ratio_over_rounds, round_order
-
     times = {name: [] for name in cases}
     for rnd in range(rounds):
         for name in round_order(list(cases), rnd):

@@ -1,4 +1,5 @@
-"""Small launch-time helpers shared by the kernel files: interpreter detection, dot options, seed split.
+"""Small launch-time helpers shared by the kernel files: interpreter detection, dot options, seed split,
+per-stream workspaces.
 
 The interpreter switch is read once, at the first launch (not at import): Triton itself fixes the mode of
 each ``@triton.jit`` when it is defined, so the answer cannot change afterwards, and the launch path asks
