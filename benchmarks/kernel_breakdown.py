@@ -13,10 +13,16 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
                                dx with the "pre" dropout mask on the LoRA term)
 - ``shrink_S`` / ``shrink_G``  ``S = s x A^T`` and ``G = s dy B`` (``_drop``: with the "pre" mask on x)
 - ``reduce_dB`` / ``reduce_dA`` ``dB = dy^T S`` and ``dA = G^T x`` (``_drop``: with the mask on x)
-- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``)
+- ``dx_grads``                 dx, dA and dB in one launch (the reductions on the GEMM's spare SMs), with
+                               ``vs_cublas`` against ``cublas_dx`` (``_drop``: with the "pre" masks)
+- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``;
+                               ``backward_separate``: dx and the gradients as two launches, as off the TMA path)
 
 with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
 autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
+
+``--profile N`` also runs each row N times under ``torch.profiler`` and prints the GPU time of every kernel it
+launched (us per call): what a composite row such as ``backward`` spends where.
 
 ``--rounds N`` times every kernel of a shape once per round, N rounds in turn, each led by another kernel
 (``rounds.round_order``), and reports the median over rounds (each round's time is kept in ``ms_rounds``),
@@ -43,7 +49,8 @@ from rounds import ratio_over_rounds, round_order  # noqa: E402  (benchmarks/ is
 
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
-from parallel_lora.kernels import configs, gemm  # noqa: E402
+from parallel_lora.kernels import configs, gemm, lora  # noqa: E402
+from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
@@ -75,7 +82,40 @@ def pointer_only(fn):
     return run
 
 
-def run_shape(M, K, N, r, reps, rounds=1, only=None):
+def separate_launches(fn):
+    """Run ``fn`` with dx and the adapter gradients as separate launches (not the fused one), with launch sites
+    of its own (the op's sites remember the choice per layout)."""
+    sites = {}
+
+    def run():
+        saved = lora._dx_takes_tma, lora._BACKWARD_SITES
+        lora._dx_takes_tma, lora._BACKWARD_SITES = (lambda *a: False), sites
+        try:
+            return fn()
+        finally:
+            lora._dx_takes_tma, lora._BACKWARD_SITES = saved
+
+    return run
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """GPU time (us per call) of each kernel that ``calls`` runs of ``fn`` launch, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
+    return totals
+
+
+def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=dt)
@@ -105,6 +145,9 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None):
         "reduce_both_dA": rel(lora_adapter_grads(x, G, dy, S)[0], G.float().t() @ x.float()),
         "reduce_both_dB": rel(lora_adapter_grads(x, G, dy, S)[1], dy.float().t() @ S.float()),
     }
+    fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
+    refs = (dx_ref, G.float().t() @ x.float(), dy.float().t() @ S.float())
+    checks.update({f"dx_grads_{n}": rel(t, ref) for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True)})
     for name, err in checks.items():
         if not err < 1e-2:
             raise RuntimeError(f"{name} at {M},{K},{N},{r}: rel err {err:.3g}")
@@ -130,10 +173,16 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None):
             lambda: lora_adapter_grads(x, G, dy, S, p=p, seed=1234, drop_x=True),
             (x.numel() + dy.numel()) * 2,
         ),
+        "dx_grads": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, S), None),
+        "dx_grads_drop": (
+            lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
+            None,
+        ),
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
         "backward": (lambda: kernels.backward(dy, x, W, A, B, S, s, None), None),
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
+        "backward_separate": (separate_launches(lambda: kernels.backward(dy, x, W, A, B, S, s, None)), None),
     }
     if only:
         cases = {name: case for name, case in cases.items() if name in only}
@@ -141,19 +190,30 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None):
     for rnd in range(rounds):
         for name in round_order(list(cases), rnd):
             times[name].append(bench(cases[name][0], reps))
+    # Again after the timed calls: a launch that left shared state (counters, a queue) behind shows here.
+    fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
+    for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True):
+        if not rel(t, ref) < 1e-2:
+            raise RuntimeError(f"dx_grads {n} after the timed calls at {M},{K},{N},{r}: rel err {rel(t, ref):.3g}")
     rows = []
     for name, (_fn, nbytes) in cases.items():
         ms = statistics.median(times[name])
         row = {"shape": [M, K, N, r], "kernel": name, "ms": ms, "ms_rounds": times[name]}
         if nbytes:
             row["GB_per_s"] = nbytes / ms / 1e6
-        base = "cublas_dx" if name.startswith("gemm_dx") else "cublas_y" if name.startswith("gemm_y") else None
+        dx_like = name.startswith(("gemm_dx", "dx_grads"))
+        base = "cublas_dx" if dx_like else "cublas_y" if name.startswith("gemm_y") else None
+        base = base if base in times else None
         if base:
             row["vs_cublas"] = ratio_over_rounds(times[name], times[base])
+        if profile_calls:
+            row["profile_us"] = kernel_times(cases[name][0], profile_calls)
         rows.append(row)
         gbs = f"{row['GB_per_s']:8.0f}" if nbytes else " " * 8
         ratio = f"x{row['vs_cublas']:.3f}" if base else ""
         print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>16} {ms * 1e3:9.1f} us {gbs} {ratio}", flush=True)
+        for kernel, us in sorted(row.get("profile_us", {}).items(), key=lambda kv: -kv[1]):
+            print(f"{'':>34} {us:9.1f} us  {kernel[:80]}")
     return rows, checks
 
 
@@ -163,6 +223,7 @@ def main():
     parser.add_argument("--reps", type=int, default=100, help="ms of timed repetitions per kernel")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over all kernels of a shape")
     parser.add_argument("--kernels", default="", help="comma-separated subset of the rows to time")
+    parser.add_argument("--profile", type=int, default=0, help="profile each row over this many calls")
     parser.add_argument("--out", default="kernel_breakdown.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -172,11 +233,10 @@ def main():
     rows, errs = [], {}
     for shape in shapes:
         only = set(args.kernels.split(",")) if args.kernels else None
-        shape_rows, checks = run_shape(*shape, args.reps, args.rounds, only)
+        shape_rows, checks = run_shape(*shape, args.reps, args.rounds, only, args.profile)
         rows += shape_rows
         errs[",".join(map(str, shape))] = checks
         errs[",".join(map(str, shape)) + " configs"] = configs.tuned_summary()
-        print(configs.tuned_summary(), flush=True)
     import triton
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

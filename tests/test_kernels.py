@@ -162,6 +162,35 @@ def test_multi_split_reduction_matches_eager_is_deterministic_and_resets_its_cou
         assert not count.any(), "arrival counters were left non-zero"
 
 
+@pytest.mark.parametrize("wanted", [("dA", "dB"), ("dA",), ("dB",)], ids="+".join)
+@pytest.mark.parametrize("drop", list(DROPOUTS))
+def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch, drop, wanted):
+    # On the TMA path dx and the adapter gradients share one launch. In the interpreter both paths run the same
+    # tiles (GEMM and reductions), so the fused launch must reproduce the separate ones exactly, over several
+    # M splits, with either gradient alone, and leave its queue and arrival counters at zero.
+    from parallel_lora.kernels import lora, rank_reduce
+
+    if not INTERPRETING:
+        pytest.skip("the GPU tunes the two paths' tiles separately: the GPU tests compare them with fp64")
+    x, weight, b, lora_A, lora_B, dy = make_inputs(130, 64, 48, 8, torch.bfloat16)
+    assert split_rows(130, 64 + 48, x.device)[0] > 1, "the shape no longer exercises the multi-split path"
+    dropout = DROPOUTS[drop]
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+    needs = {"needs_dA": "dA" in wanted, "needs_dB": "dB" in wanted}
+    launched = _count_launches(monkeypatch)
+    fused = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
+    assert launched == ["shrink", "dx_grads"]
+    lora._BACKWARD_SITES.clear()
+    monkeypatch.setattr(lora, "_dx_takes_tma", lambda dy, weight: False)
+    separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
+    assert launched[2:] == ["shrink", "gemm_tma", "reduce"]
+    for name, a, c in zip(("dx", "dA", "dB"), fused, separate, strict=True):
+        assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), name
+    for count in rank_reduce._COUNTERS.values():
+        assert not count.any(), "the queue or an arrival counter was left non-zero"
+    lora._BACKWARD_SITES.clear()
+
+
 @pytest.mark.parametrize("wanted", ["dA", "dB"])
 @pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
 def test_one_adapter_gradient_alone_matches_eager(M, wanted):
@@ -182,7 +211,7 @@ def test_one_adapter_gradient_alone_matches_eager(M, wanted):
 
 def _patch_launches(monkeypatch, fn) -> None:
     """Route every kernel launch (each kernel module imports ``configs.launch`` by name) through ``fn``."""
-    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce"):
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce", "dx_grads"):
         monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", fn)
 
 
@@ -201,15 +230,19 @@ def _count_launches(monkeypatch) -> list[str]:
     return launched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
-def test_backward_is_at_most_three_launches_and_nothing_else(monkeypatch, M):
-    # G, the dx GEMM, and both adapter gradients in one launch; no torch sum or cast of partials after it.
-    x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 40, 8, torch.float32)
+def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else(monkeypatch, M, dtype):
+    # G, the dx GEMM, and both adapter gradients in one launch (on the TMA path, dx and both gradients in
+    # one); no torch sum or cast of partials after it.
+    if dtype != torch.float32 and HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 40, 8, dtype)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
     launched = _count_launches(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: pytest.fail("a torch sum ran in backward"))
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, DROPOUTS["pre"])
-    assert launched == ["shrink", "gemm", "reduce"]
+    assert launched == (["shrink", "gemm", "reduce"] if dtype == torch.float32 else ["shrink", "dx_grads"])
     launched.clear()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False)
     assert launched == ["shrink", "reduce"]
@@ -253,17 +286,23 @@ def test_non_contiguous_inputs_match_eager(dtype):
 
 
 def _gemm_paths(monkeypatch) -> list[str]:
-    """Record which GEMM kernel each ``lora_gemm`` call takes."""
-    from parallel_lora.kernels import gemm
+    """Record the GEMMs that take the TMA path: ``lora_gemm`` sending a call to the TMA kernel ("tma") and the
+    backward's dx GEMM fused with the adapter gradients ("fused", TMA only)."""
+    from parallel_lora.kernels import gemm, lora
 
     taken = []
-    real = gemm.lora_gemm_tma
 
-    def spy(*args, **kwargs):
-        taken.append("tma")
-        return real(*args, **kwargs)
+    def spy(module, name, label):
+        real = getattr(module, name)
 
-    monkeypatch.setattr(gemm, "lora_gemm_tma", spy)
+        def recorded(*args, **kwargs):
+            taken.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    spy(gemm, "lora_gemm_tma", "tma")
+    spy(lora, "lora_dx_and_grads", "fused")
     return taken
 
 
@@ -283,7 +322,7 @@ def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch,
     taken = _gemm_paths(monkeypatch)
     inputs = make_inputs(70, K, N, 16, dtype)  # M = 70: a tail of rows in every tile size
     check_against_eager(*inputs, SCALE, DROPOUTS["pre"])
-    assert taken == (["tma", "tma"] if tma else [])
+    assert taken == (["tma", "fused"] if tma else [])
 
 
 def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
@@ -418,7 +457,19 @@ _SPECS = {
     "gemm_tma": ("parallel_lora.kernels.gemm_tma", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
     "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
     "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F_A": 4096, "F_B": 4096}),
+    "dx_grads": ("parallel_lora.kernels.dx_grads", {"M": 8192, "N_OUT": 4096, "K_RED": 4096, "F_A": 4096, "F_B": 4096}),
 }
+
+
+def _consts(kernel, r_pad, monkeypatch) -> dict:
+    """The rank-derived constexprs a launch of ``kernel`` passes at this rank on a GPU."""
+    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
+    if kernel == "dx_grads":
+        from parallel_lora.kernels import dx_grads
+
+        monkeypatch.setattr(dx_grads, "interpreting", lambda: False)
+        consts.update(zip(("RED_BLOCK_M", "RED_STAGES"), dx_grads.red_tiles(r_pad), strict=True))
+    return consts
 
 
 def _spec(kernel):
@@ -429,14 +480,14 @@ def _spec(kernel):
 
 
 @pytest.mark.parametrize("smem_limit", [101_376, 232_448], ids=["100KB", "H200"])
-@pytest.mark.parametrize("r_pad", [16, 256])
+@pytest.mark.parametrize("r_pad", [16, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernel", list(_SPECS))
-def test_pruned_configs_fit_shared_memory(kernel, dtype, r_pad, smem_limit):
-    if kernel == "gemm_tma" and dtype == torch.float32:
+def test_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, smem_limit):
+    if kernel in ("gemm_tma", "dx_grads") and dtype == torch.float32:
         pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
     spec, sizes = _spec(kernel)
-    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
+    consts = _consts(kernel, r_pad, monkeypatch)
     nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
     kept = kconfigs.prune(spec, spec.configs(), nargs, smem_limit=smem_limit, **consts)
     assert kept
@@ -446,9 +497,9 @@ def test_pruned_configs_fit_shared_memory(kernel, dtype, r_pad, smem_limit):
 
 
 @pytest.mark.parametrize("kernel", list(_SPECS))
-def test_small_problems_take_one_config_and_large_ones_autotune(kernel):
+def test_small_problems_take_one_config_and_large_ones_autotune(monkeypatch, kernel):
     spec, sizes = _spec(kernel)
-    consts = {"R_PAD": 16, "BLOCK_R": 16}
+    consts = _consts(kernel, 16, monkeypatch)
     large = {spec.dtype_arg: torch.empty(1, dtype=torch.bfloat16), "R": 16, **sizes}
     small = {**large, **{name: 64 for name in sizes}}
     assert len(kconfigs.prune(spec, spec.configs(), small, smem_limit=232_448, **consts)) == 1
@@ -530,7 +581,7 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
                         _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
                         for needs in ((True, True, True), (False, True, True), (True, False, False)):
                             kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
-    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce"}
+    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads"}
     assert len(seen) > 100
 
 
@@ -569,7 +620,8 @@ def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):
                         for needs in ((True, True, True), (False, True, True), (True, False, False)):
                             key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
                             check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
-    assert {name for launches in seen.values() for name, *_ in launches} == {"shrink", "gemm", "gemm_tma", "reduce"}
+    names = {name for launches in seen.values() for name, *_ in launches}
+    assert names == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads"}
     assert len(seen) > 100
 
 
@@ -829,4 +881,42 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
     x, dy = (torch.randn(M, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     rank_reduce.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=1, drop_x=True)
+    assert checked
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("r", [16, 64, 256])
+def test_gpu_dx_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
+    # The fused backward launch holds the GEMM's pipelined loop and two reduction loops; their buffers share
+    # shared memory (the estimate takes the larger), which only holds if the compiler reuses them.
+    from triton.runtime.errors import OutOfResources
+
+    from parallel_lora.kernels import dx_grads
+
+    limit = kconfigs.max_shared_mem(torch.cuda.current_device())
+    checked = []
+
+    def compile_each(spec, kernel, signature, tensors, runtime, build):
+        static, grid, consts = build()
+        args = (*tensors, *static, *runtime)
+        nargs = dict(zip(kernel.arg_names, args, strict=False))
+        elem = nargs[spec.dtype_arg].element_size()
+        for cfg in spec.configs():
+            need = spec.smem(cfg.kwargs, cfg.num_stages, elem, {**nargs, **consts})
+            if need > limit:
+                continue  # pruned before any launch
+            try:
+                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
+            except OutOfResources as err:
+                pytest.fail(f"{cfg} estimated {need} B but did not fit: {err}")
+            assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
+            checked.append(cfg)
+
+    monkeypatch.setattr(dx_grads, "launch", compile_each)
+    torch.manual_seed(0)
+    M, K, N = 4096, 1024, 512
+    x, weight, _, lora_A, _, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
+    g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
     assert checked

@@ -120,6 +120,33 @@ def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem
 
 
+def dx_grads_configs() -> list[triton.Config]:
+    """The backward's fused launch (``dx_grads``): the TMA GEMM's tiles, each with the column width
+    ``RED_BLOCK_F`` of the adapter-gradient tiles its spare programs reduce (their M tile is chosen from the
+    rank, ``dx_grads.red_block_m``). The fallback row fits ~100 KB like the GEMM's."""
+    rows = [
+        (128, 256, 64, 3, 8, 128),
+        (256, 128, 64, 3, 8, 128),
+        (128, 128, 64, 4, 8, 128),
+        (64, 64, 64, 3, 4, 32),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "RED_BLOCK_F": bf}, num_stages=s, num_warps=w
+        )
+        for bm, bn, bk, s, w, bf in rows
+    ]
+
+
+def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The GEMM loop and the reduction loop run one after the other, so their buffers share shared memory:
+    # the larger of the two, plus the queue's and the arrival counter's atomic slots.
+    red = {"BLOCK_F": cfg["RED_BLOCK_F"], "BLOCK_M": consts["RED_BLOCK_M"]}
+    # An explicitly staged TMA loop allocates ``RED_STAGES`` buffers on Triton 3.6 (stages - 1 on 3.9).
+    red_smem = reduce_smem(red, consts["RED_STAGES"], elem, consts)
+    return max(gemm_tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
+
+
 def shrink_configs() -> list[triton.Config]:
     """Rank-r shrink ``[M, K] @ [K, r]``: (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD.
 
@@ -190,6 +217,7 @@ INTERP_CONFIGS = {
     "gemm_tma": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
     "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
     "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
+    "dx_grads": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "RED_BLOCK_F": 32},
 }
 
 

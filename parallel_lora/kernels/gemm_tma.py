@@ -86,6 +86,65 @@ def _rank_term(
     return acc
 
 
+@triton.jit
+def gemm_tiles(
+    x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
+    stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
+    keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
+    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
+    persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    k_tiles = tl.cdiv(K_RED, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+
+    for tile_id in tl.range(first_tile, num_tiles, tile_step):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LORA_DROP:
+            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
+            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
+            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
+            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
+            acc = tl.where(keep, acc * keep_scale, 0.0)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = x_desc.load([pid_m * BLOCK_M, off_k])
+            if W_NK:
+                b = w_desc.load([pid_n * BLOCK_N, off_k]).T
+            else:
+                b = w_desc.load([off_k, pid_n * BLOCK_N])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if not LORA_DROP:
+            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
+            acc += bias[None, :].to(tl.float32)
+        # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
 def _lora_gemm_tma_kernel(
     # pointers
@@ -129,53 +188,12 @@ def _lora_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-    if W_NK:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
-    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
-
-    start_pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    k_tiles = tl.cdiv(K_RED, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LORA_DROP:
-            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
-            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
-            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
-            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
-            acc = tl.where(keep, acc * keep_scale, 0.0)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = x_desc.load([pid_m * BLOCK_M, off_k])
-            if W_NK:
-                b = w_desc.load([pid_n * BLOCK_N, off_k]).T
-            else:
-                b = w_desc.load([off_k, pid_n * BLOCK_N])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if not LORA_DROP:
-            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
-            acc += bias[None, :].to(tl.float32)
-        # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+    gemm_tiles(
+        x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
+        stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
+        keep_scale, p, seed_lo, seed_hi, n_offset, tl.program_id(0), NUM_SMS,
+        W_NK, HAS_BIAS, LORA_DROP, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    )  # fmt: skip
 
 
 _SPEC = KernelSpec(

@@ -9,6 +9,7 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               G  = s * drop_post(dy B)                     shrink kernel
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
               dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
+              (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs)
 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
@@ -24,7 +25,9 @@ import torch
 from ..dropout import Dropout
 from ._interp import MAX_RANK, interpreting
 from .configs import Site
+from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
+from .gemm_tma import tma_compatible
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
 
@@ -127,7 +130,19 @@ def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs
 # checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
 # machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
 _FORWARD_SITES: dict[tuple, tuple[Site, Site]] = {}
-_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site]] = {}
+_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool]] = {}
+
+
+def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """W as the TMA GEMM reads it for dx: ``[N, K]`` as stored, or ``W.t()`` (``w_nk``) when that has the unit
+    inner stride; the same choice ``gemm.lora_gemm`` makes."""
+    w_nk = weight.stride(0) == 1 and weight.stride(1) != 1
+    return (weight.t() if w_nk else weight), w_nk
+
+
+def _dx_takes_tma(dy: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Empty problems stay on the separate launches, which return without launching.
+    return dy.numel() > 0 and weight.numel() > 0 and tma_compatible(dy, _dx_operand(weight)[0], weight.shape[1])
 
 
 def _active(dropout: Dropout | None) -> Dropout | None:
@@ -223,13 +238,25 @@ def backward_unchecked(
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
-    sites = _BACKWARD_SITES.get(key) or (Site(), Site(), Site())
+    entry = _BACKWARD_SITES.get(key)
+    if entry is None:
+        entry = (Site(), Site(), Site(), needs_dx and (needs_dA or needs_dB) and _dx_takes_tma(dy, weight))
+    *sites, fused = entry
     dx = dA = dB = None
-    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
-    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
     g = None
     if needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
+    if fused:
+        # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
+        w, w_nk = _dx_operand(weight)
+        dx, dA, dB = lora_dx_and_grads(
+            dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB else None,
+            lora_drop=pre, k_offset=k_offset, **_drop_kwargs(drop), site=sites[1],
+        )  # fmt: skip
+        _BACKWARD_SITES[key] = entry
+        return dx, dA, dB
+    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
+    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
     if needs_dx:
         dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
                        site=sites[1])  # fmt: skip
@@ -240,5 +267,5 @@ def backward_unchecked(
             drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
         )  # fmt: skip
     # Stored once filled: another thread never reads a half-bound site.
-    _BACKWARD_SITES[key] = sites
+    _BACKWARD_SITES[key] = entry
     return dx, dA, dB

@@ -45,13 +45,14 @@ from .gemm_tma import ensure_allocator, tma_rows
 
 
 @triton.jit
-def _reduce_tile(
+def reduce_tile(
     feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
     p, seed_lo, seed_hi, f_offset,
     DROP_FEAT: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile."""
+    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile; the M loop
+    in ``STAGES`` stages (None: the launch's ``num_stages``)."""
     offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     offs_mb = tl.arange(0, BLOCK_M)
@@ -62,7 +63,7 @@ def _reduce_tile(
         # next split.
         feat_desc = tl.make_tensor_descriptor(feat_ptr, [M, F], [stride_fm, 1], [BLOCK_M, BLOCK_F])
     acc = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
-    for m0 in tl.range(m_start, m_end, BLOCK_M):
+    for m0 in tl.range(m_start, m_end, BLOCK_M, num_stages=STAGES):
         offs_m = m0 + offs_mb
         m_in = offs_m < m_end
         rows64 = offs_m.to(tl.int64)  # M * stride can pass 2**31
@@ -90,7 +91,7 @@ def _reduce_tile(
 
 
 @triton.jit
-def _finish_tile(
+def finish_tile(
     acc, out_ptr, ws_ptr, count_ptr, tile, ws_col0, F, R, tile_f, pid_s, num_splits, stride_of, stride_or,
     stride_ws, out_scale, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
@@ -138,21 +139,21 @@ def _lora_adapter_grads_kernel(
     m_end = tl.minimum(m_start + m_per_split, M)
     tiles_a = tl.cdiv(F_A, BLOCK_F)
     if tile < tiles_a:
-        acc = _reduce_tile(
+        acc = reduce_tile(
             fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
-            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
         )  # fmt: skip
-        _finish_tile(
+        finish_tile(
             acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
             stride_ws, scale_a, R_PAD, BLOCK_F,
         )  # fmt: skip
     else:
         tile_b = tile - tiles_a
-        acc = _reduce_tile(
+        acc = reduce_tile(
             fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
-            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
         )  # fmt: skip
-        _finish_tile(
+        finish_tile(
             acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
             stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
         )  # fmt: skip

@@ -1,0 +1,211 @@
+"""The backward's dx GEMM and both adapter gradients in one persistent launch (Hopper, TMA path):
+
+    dx = dy W + drop_pre(G A)                    the persistent TMA GEMM (``gemm_tma.gemm_tiles``)
+    dA = c * G^T drop_pre(x),  dB = dy^T S        the M reductions of ``rank_reduce`` (same tiles, same splits)
+
+Why one launch: a persistent GEMM of ``T`` output tiles on ``P`` SMs takes ``ceil(T / P)`` tile times, and the
+same number of waves fits on ``ceil(T / ceil(T / P))`` programs. At 8192 x 4096 (1024 tiles of 128 x 256) on
+the H200's 132 SMs that is 128 programs for 8 waves either way, so 4 SMs idle through the whole GEMM, while
+the adapter gradients, bandwidth-bound, ran as a separate launch of ~85 us after it (~10% of the step).
+Here the ``P - ceil(T / ceil(T / P))`` spare programs start on the reductions at once, and the GEMM programs
+join them when their tiles are done.
+
+The reductions are a queue of ``(column tile, M split)`` items: a program takes the next one with an atomic
+increment of the queue head and works it exactly as ``rank_reduce`` does (fp32 partial per split, the tile's
+last arrival sums the partials in split order). Which program works an item never changes what it computes,
+so results are bitwise reproducible. The last program to finish resets the queue for the next launch on the
+stream. Nothing waits on anything: the kernel is correct whichever programs run concurrently.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import dot_options, interpreting, pad_rank, split_seed, stream_buffer
+from .configs import (
+    GEMM_KEY,
+    MAX_BLOCK_R,
+    REDUCE_M_ALIGN_INTERP,
+    Bound,
+    KernelSpec,
+    dx_grads_configs,
+    dx_grads_smem,
+    gemm_fits,
+    gemm_work,
+    launch,
+    sm_count,
+)
+from .gemm_tma import ensure_allocator, gemm_tiles, tma_rows
+from .rank_reduce import _COUNTERS, _PARTIALS, finish_tile, reduce_tile, split_rows
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+def _dx_and_grads_kernel(
+    # dx GEMM: dy [M, N], W (as w), G [M, r], A [r, K] -> dx [M, K]
+    dy_ptr, w_ptr, g_ptr, a_ptr, dx_ptr,
+    # adapter gradients: (x, G) -> dA, (dy, S) -> dB, the fp32 partials, the arrival counters and the queue
+    fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+    # sizes: the GEMM's (N_OUT = K, K_RED = N), the reductions' (F_A = 0 or F_B = 0 skips that gradient)
+    M, N_OUT, K_RED, R, F_A, F_B, m_per_split, num_splits,
+    # strides
+    stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm,
+    stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    # runtime scalars (changing them never recompiles)
+    keep_scale, p, seed_lo, seed_hi, k_offset,
+    # compile-time
+    W_NK: tl.constexpr, LORA_DROP: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    # As many GEMM programs as keep the number of waves; the rest start on the queue.
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N_OUT, BLOCK_N)
+    gemm_programs = tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
+    if pid < gemm_programs:
+        gemm_tiles(
+            dy_ptr, w_ptr, dx_ptr, g_ptr, a_ptr, dx_ptr, M, N_OUT, K_RED, R,
+            stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm, 0,
+            keep_scale, p, seed_lo, seed_hi, k_offset, pid, gemm_programs,
+            W_NK, False, LORA_DROP, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+
+    tiles_a = tl.cdiv(F_A, RED_BLOCK_F)
+    num_items = (tiles_a + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
+    queue = count_ptr + F_A + F_B  # [head, finished programs], after the tiles' arrival counters
+    item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+    while item < num_items:
+        tile = item // num_splits
+        pid_s = item % num_splits
+        m_start = pid_s * m_per_split
+        m_end = tl.minimum(m_start + m_per_split, M)
+        if tile < tiles_a:
+            acc = reduce_tile(
+                fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
+                p, seed_lo, seed_hi, k_offset, LORA_DROP, A_TMA, R_PAD, UPCAST, DOT_PRECISION, RED_BLOCK_F,
+                RED_BLOCK_M, RED_STAGES,
+            )  # fmt: skip
+            finish_tile(
+                acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf,
+                stride_oar, stride_ws, keep_scale, R_PAD, RED_BLOCK_F,
+            )  # fmt: skip
+        else:
+            tile_b = tile - tiles_a
+            acc = reduce_tile(
+                fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm,
+                stride_gbr, p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, RED_BLOCK_F,
+                RED_BLOCK_M, RED_STAGES,
+            )  # fmt: skip
+            finish_tile(
+                acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
+                stride_obr, stride_ws, 1.0, R_PAD, RED_BLOCK_F,
+            )  # fmt: skip
+        item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+    # Every program's last take from the queue comes before its release here; the last one to finish
+    # (acquire) leaves the queue at zero for the next launch on this stream.
+    finished = tl.atomic_add(queue + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == programs - 1:
+        tl.atomic_xchg(queue, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue + 1, 0, sem="relaxed", scope="gpu")
+
+
+_SPEC = KernelSpec(
+    name="dx_grads",
+    configs=dx_grads_configs,
+    key=GEMM_KEY,
+    smem=dx_grads_smem,
+    work=gemm_work,
+    fits=gemm_fits,
+    dtype_arg="dy_ptr",
+)
+
+
+def red_tiles(r_pad: int) -> tuple[int, int]:
+    """``(RED_BLOCK_M, RED_STAGES)`` of the reductions. A program has a whole SM here (the GEMM's shared
+    memory and no co-resident program), so it keeps ``RED_STAGES - 1`` feature tiles in flight to stream at a
+    good share of the bandwidth alone: 128-row tiles where the rank tile is small, fewer rows as it grows, so
+    that the stages stay within the GEMM's shared memory (they share it: ``configs.dx_grads_smem``)."""
+    if interpreting():
+        return REDUCE_M_ALIGN_INTERP, 2
+    return (128 if r_pad <= 32 else 64 if r_pad <= 64 else 32), 5
+
+
+def lora_dx_and_grads(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    w_nk: bool,
+    g: torch.Tensor,
+    lora_A: torch.Tensor,
+    x: torch.Tensor | None,
+    s_lora: torch.Tensor | None,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    k_offset: int = 0,
+    lora_drop: bool = False,
+    site=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``dx [M, K] = dy [M, N] @ W + drop(G [M, r] @ A [r, K])`` with ``dA = c * G^T drop(x)`` ``[r, K]`` when
+    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch, in dy's dtype.
+    ``w`` is W as the TMA GEMM reads it (``[N, K]``, or ``W.t()`` with ``w_nk``); operands are checked by the
+    caller and TMA-describable (``tma_compatible``). ``drop``: the "pre" keep-mask of columns ``k_offset + k``
+    (``lora_drop``), on dx's LoRA term and on x, with ``c = 1/(1-p)``."""
+    M, N = dy.shape
+    K, R = lora_A.shape[1], g.shape[1]
+    want_a, want_b = x is not None, s_lora is not None
+    dev, dtype = dy.device, dy.dtype
+    dx = torch.empty((M, K), device=dev, dtype=dtype)
+    dA = torch.empty((R, K), device=dev, dtype=dtype) if want_a else None
+    dB = torch.empty((N, R), device=dev, dtype=dtype) if want_b else None
+    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
+    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    F_A = K if want_a else 0
+    F_B = N if want_b else 0
+    out_a = dA if want_a else dB
+    out_b = dB if want_b else dA
+    hit = site is not None and site.bound is not None
+    if hit:
+        split, partials = site.info
+    else:
+        split, m_per_split = split_rows(M, F_A + F_B, dev)
+        partials = split * (F_A + F_B) * pad_rank(R)
+    ws = stream_buffer(_PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
+    count = stream_buffer(_COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
+    if not interpreting():
+        ensure_allocator()
+    seed_lo, seed_hi = split_seed(seed)
+    tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
+    runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_lo, seed_hi, int(k_offset))
+    if hit:
+        site.bound.launch(tensors, runtime)
+        return dx, dA, dB
+    num_sms = 2 if interpreting() else sm_count(dev.index or 0)
+
+    def build():
+        r_pad = pad_rank(R)
+        static = (M, K, N, R, F_A, F_B, m_per_split, split, dy.stride(0), w.stride(0), *g.stride(),
+                  *lora_A.stride(), dx.stride(0), *feat_a.stride(), *g_a.stride(), out_a.stride(1), out_a.stride(0),
+                  *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
+        consts = {
+            "W_NK": w_nk,
+            "LORA_DROP": lora_drop,
+            "A_TMA": want_a and tma_rows(feat_a),
+            "B_TMA": want_b and tma_rows(feat_b),
+            "R_PAD": r_pad,
+            "BLOCK_R": min(r_pad, MAX_BLOCK_R),
+            **dict(zip(("RED_BLOCK_M", "RED_STAGES"), red_tiles(r_pad), strict=True)),
+            **dot_options(dtype),
+        }
+        return static, lambda meta: (num_sms,), consts
+
+    a_layout = want_a and (x.stride(), tma_rows(x))
+    signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
+                 want_b and s_lora.stride(), dtype, lora_drop, num_sms)  # fmt: skip
+    bound: Bound = launch(_SPEC, _dx_and_grads_kernel, signature, tensors, runtime, build)
+    if site is not None:
+        site.info, site.bound = (split, partials), bound
+    return dx, dA, dB
