@@ -13,10 +13,12 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
                                dx with the "pre" dropout mask on the LoRA term)
 - ``shrink_S`` / ``shrink_G``  ``S = s x A^T`` and ``G = s dy B`` (``_drop``: with the "pre" mask on x)
 - ``reduce_dB`` / ``reduce_dA`` ``dB = dy^T S`` and ``dA = G^T x`` (``_drop``: with the mask on x)
+- ``shrink_gemm``              S and y in one launch (S produced on the GEMM's spare SMs), with ``vs_cublas``
+                               against ``cublas_y`` (``_drop``: with the "pre" mask on x)
 - ``dx_grads``                 dx, dA and dB in one launch (the reductions on the GEMM's spare SMs), with
                                ``vs_cublas`` against ``cublas_dx`` (``_drop``: with the "pre" masks)
-- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``;
-                               ``backward_separate``: dx and the gradients as two launches, as off the TMA path)
+- ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``; ``_separate``:
+                               without the fused launches, as off the TMA path)
 
 with the bytes each kernel must move over its time (GB/s) for the bandwidth-bound ones, and the chosen
 autotune config of each kernel. Writes ``{"meta": ..., "rows": [...]}`` as JSON.
@@ -54,6 +56,7 @@ from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
+from parallel_lora.kernels.shrink_gemm import lora_shrink_gemm  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
 
@@ -83,17 +86,22 @@ def pointer_only(fn):
 
 
 def separate_launches(fn):
-    """Run ``fn`` with dx and the adapter gradients as separate launches (not the fused one), with launch sites
-    of its own (the op's sites remember the choice per layout)."""
-    sites = {}
+    """Run ``fn`` without the fused launches (S and y, dx and the adapter gradients as separate launches), with
+    launch sites of its own (the op's sites remember the choice per layout)."""
+    fwd_sites, bwd_sites = {}, {}
+
+    names = ("_y_takes_tma", "_dx_takes_tma", "_FORWARD_SITES", "_BACKWARD_SITES")
+    off = lambda *a: False  # noqa: E731
 
     def run():
-        saved = lora._dx_takes_tma, lora._BACKWARD_SITES
-        lora._dx_takes_tma, lora._BACKWARD_SITES = (lambda *a: False), sites
+        saved = [getattr(lora, name) for name in names]
+        for name, value in zip(names, (off, off, fwd_sites, bwd_sites), strict=True):
+            setattr(lora, name, value)
         try:
             return fn()
         finally:
-            lora._dx_takes_tma, lora._BACKWARD_SITES = saved
+            for name, value in zip(names, saved, strict=True):
+                setattr(lora, name, value)
 
     return run
 
@@ -148,6 +156,8 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
     fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
     refs = (dx_ref, G.float().t() @ x.float(), dy.float().t() @ S.float())
     checks.update({f"dx_grads_{n}": rel(t, ref) for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True)})
+    y_fused, s_fused = lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s)
+    checks.update({"shrink_gemm_y": rel(y_fused, y_ref), "shrink_gemm_S": rel(s_fused, S)})
     for name, err in checks.items():
         if not err < 1e-2:
             raise RuntimeError(f"{name} at {M},{K},{N},{r}: rel err {err:.3g}")
@@ -173,6 +183,11 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
             lambda: lora_adapter_grads(x, G, dy, S, p=p, seed=1234, drop_x=True),
             (x.numel() + dy.numel()) * 2,
         ),
+        "shrink_gemm": (lambda: lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s), None),
+        "shrink_gemm_drop": (
+            lambda: lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s, p=p, seed=1234, drop_pre=True),
+            None,
+        ),
         "dx_grads": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, S), None),
         "dx_grads_drop": (
             lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
@@ -180,6 +195,7 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         ),
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
+        "forward_separate": (separate_launches(lambda: kernels.forward(x, W, None, A, B, s, None)), None),
         "backward": (lambda: kernels.backward(dy, x, W, A, B, S, s, None), None),
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
         "backward_separate": (separate_launches(lambda: kernels.backward(dy, x, W, A, B, S, s, None)), None),
@@ -190,11 +206,11 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
     for rnd in range(rounds):
         for name in round_order(list(cases), rnd):
             times[name].append(bench(cases[name][0], reps))
-    # Again after the timed calls: a launch that left shared state (counters, a queue) behind shows here.
-    fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
-    for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True):
+    # Again after the timed calls: a launch that left shared state (counters, a queue, flags) behind shows here.
+    fused = (*lora_dx_and_grads(dy, W, False, G, A, x, S), *lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s))
+    for n, t, ref in zip(("dx", "dA", "dB", "y", "S"), fused, (*refs, y_ref, S), strict=True):
         if not rel(t, ref) < 1e-2:
-            raise RuntimeError(f"dx_grads {n} after the timed calls at {M},{K},{N},{r}: rel err {rel(t, ref):.3g}")
+            raise RuntimeError(f"fused {n} after the timed calls at {M},{K},{N},{r}: rel err {rel(t, ref):.3g}")
     rows = []
     for name, (_fn, nbytes) in cases.items():
         ms = statistics.median(times[name])
@@ -202,7 +218,8 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         if nbytes:
             row["GB_per_s"] = nbytes / ms / 1e6
         dx_like = name.startswith(("gemm_dx", "dx_grads"))
-        base = "cublas_dx" if dx_like else "cublas_y" if name.startswith("gemm_y") else None
+        y_like = name.startswith(("gemm_y", "shrink_gemm"))
+        base = "cublas_dx" if dx_like else "cublas_y" if y_like else None
         base = base if base in times else None
         if base:
             row["vs_cublas"] = ratio_over_rounds(times[name], times[base])

@@ -162,6 +162,40 @@ def test_multi_split_reduction_matches_eager_is_deterministic_and_resets_its_cou
         assert not count.any(), "arrival counters were left non-zero"
 
 
+@pytest.mark.parametrize("shape", [(37, 64, 48), (64, 96, 80)], ids=["spare_programs", "tiles_claim"])
+@pytest.mark.parametrize("drop", list(DROPOUTS))
+def test_fused_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop, shape):
+    # On the TMA path the forward's S and y are one launch. In the interpreter (3 programs, run one after
+    # another) a problem of 4 tiles leaves one spare program, which produces every S row block first; one of 6
+    # tiles leaves none, so each tile claims and computes its row block's S itself. Either way S and y must be
+    # exactly the separate launches' (same tiles, same order), and the launch must leave its queue at zero, its
+    # epoch advanced and every flag published for that epoch.
+    from parallel_lora.kernels import lora, shrink_gemm
+
+    if not INTERPRETING:
+        pytest.skip("the GPU tunes the two paths' tiles separately: the GPU tests compare them with fp64")
+    M, K, N = shape
+    x, weight, b, lora_A, lora_B, _ = make_inputs(M, K, N, 8, torch.bfloat16)
+    dropout = DROPOUTS[drop]
+    launched = _count_launches(monkeypatch)
+    lora._FORWARD_SITES.clear()
+    fused = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+    assert launched == ["shrink_gemm"]
+    (sync,) = shrink_gemm._SYNC.values()
+    epoch = sync[0].item()
+    again = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+    assert sync[0].item() == epoch + 1 and sync[1:3].tolist() == [0, 0]
+    row_blocks = -(-M // kconfigs.INTERP_CONFIGS["shrink_gemm"]["BLOCK_M"])
+    assert sync[3 : 3 + row_blocks].tolist() == [2 * epoch + 2] * row_blocks
+    lora._FORWARD_SITES.clear()
+    monkeypatch.setattr(lora, "_y_takes_tma", lambda *args: False)
+    separate = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+    assert launched[2:] == ["shrink", "gemm_tma"]
+    for name, a, c, d in zip(("y", "S"), fused, again, separate, strict=True):
+        assert torch.equal(a, c) and torch.equal(a, d), name
+    lora._FORWARD_SITES.clear()
+
+
 @pytest.mark.parametrize("wanted", [("dA", "dB"), ("dA",), ("dB",)], ids="+".join)
 @pytest.mark.parametrize("drop", list(DROPOUTS))
 def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch, drop, wanted):
@@ -211,7 +245,7 @@ def test_one_adapter_gradient_alone_matches_eager(M, wanted):
 
 def _patch_launches(monkeypatch, fn) -> None:
     """Route every kernel launch (each kernel module imports ``configs.launch`` by name) through ``fn``."""
-    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce", "dx_grads"):
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce", "dx_grads", "shrink_gemm"):
         monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", fn)
 
 
@@ -286,8 +320,9 @@ def test_non_contiguous_inputs_match_eager(dtype):
 
 
 def _gemm_paths(monkeypatch) -> list[str]:
-    """Record the GEMMs that take the TMA path: ``lora_gemm`` sending a call to the TMA kernel ("tma") and the
-    backward's dx GEMM fused with the adapter gradients ("fused", TMA only)."""
+    """Record the GEMMs that take the TMA path: ``lora_gemm`` sending a call to the TMA kernel ("tma"), the
+    forward's GEMM fused with the shrink ("fused_y") and the backward's dx GEMM fused with the adapter gradients
+    ("fused_dx"); the fused launches are TMA only."""
     from parallel_lora.kernels import gemm, lora
 
     taken = []
@@ -302,7 +337,8 @@ def _gemm_paths(monkeypatch) -> list[str]:
         monkeypatch.setattr(module, name, recorded)
 
     spy(gemm, "lora_gemm_tma", "tma")
-    spy(lora, "lora_dx_and_grads", "fused")
+    spy(lora, "lora_shrink_gemm", "fused_y")
+    spy(lora, "lora_dx_and_grads", "fused_dx")
     return taken
 
 
@@ -322,7 +358,7 @@ def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch,
     taken = _gemm_paths(monkeypatch)
     inputs = make_inputs(70, K, N, 16, dtype)  # M = 70: a tail of rows in every tile size
     check_against_eager(*inputs, SCALE, DROPOUTS["pre"])
-    assert taken == (["tma", "fused"] if tma else [])
+    assert taken == (["fused_y", "fused_dx"] if tma else [])
 
 
 def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
@@ -458,6 +494,7 @@ _SPECS = {
     "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
     "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F_A": 4096, "F_B": 4096}),
     "dx_grads": ("parallel_lora.kernels.dx_grads", {"M": 8192, "N_OUT": 4096, "K_RED": 4096, "F_A": 4096, "F_B": 4096}),
+    "shrink_gemm": ("parallel_lora.kernels.shrink_gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
 }
 
 
@@ -469,6 +506,10 @@ def _consts(kernel, r_pad, monkeypatch) -> dict:
 
         monkeypatch.setattr(dx_grads, "interpreting", lambda: False)
         consts.update(zip(("RED_BLOCK_M", "RED_STAGES"), dx_grads.red_tiles(r_pad), strict=True))
+    if kernel == "shrink_gemm":
+        from parallel_lora.kernels import shrink_gemm
+
+        consts["S_STAGES"] = shrink_gemm.S_STAGES
     return consts
 
 
@@ -484,8 +525,10 @@ def _spec(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernel", list(_SPECS))
 def test_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, smem_limit):
-    if kernel in ("gemm_tma", "dx_grads") and dtype == torch.float32:
+    if kernel in ("gemm_tma", "dx_grads", "shrink_gemm") and dtype == torch.float32:
         pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
+    if kernel == "shrink_gemm" and r_pad > 64:
+        pytest.skip("ranks above 64 keep the separate shrink (shrink_gemm.MAX_FUSED_R_PAD)")
     spec, sizes = _spec(kernel)
     consts = _consts(kernel, r_pad, monkeypatch)
     nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
@@ -581,7 +624,7 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
                         _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
                         for needs in ((True, True, True), (False, True, True), (True, False, False)):
                             kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
-    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads"}
+    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm"}
     assert len(seen) > 100
 
 
@@ -621,7 +664,7 @@ def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):
                             key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
                             check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
     names = {name for launches in seen.values() for name, *_ in launches}
-    assert names == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads"}
+    assert names == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm"}
     assert len(seen) > 100
 
 
@@ -887,12 +930,17 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("r", [16, 64, 256])
-def test_gpu_dx_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
-    # The fused backward launch holds the GEMM's pipelined loop and two reduction loops; their buffers share
-    # shared memory (the estimate takes the larger), which only holds if the compiler reuses them.
+@pytest.mark.parametrize("op", ["dx_grads", "shrink_gemm"])
+def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
+    # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two
+    # reductions, or the producers' shrink); their buffers share shared memory (the estimate takes the larger),
+    # which only holds if the compiler reuses them.
     from triton.runtime.errors import OutOfResources
 
-    from parallel_lora.kernels import dx_grads
+    from parallel_lora.kernels import dx_grads, shrink_gemm
+
+    if op == "shrink_gemm" and r > 64:
+        pytest.skip("ranks above 64 keep the separate shrink")
 
     limit = kconfigs.max_shared_mem(torch.cuda.current_device())
     checked = []
@@ -914,9 +962,13 @@ def test_gpu_dx_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r)
             checked.append(cfg)
 
     monkeypatch.setattr(dx_grads, "launch", compile_each)
+    monkeypatch.setattr(shrink_gemm, "launch", compile_each)
     torch.manual_seed(0)
     M, K, N = 4096, 1024, 512
-    x, weight, _, lora_A, _, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
+    if op == "dx_grads":
+        dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
+    else:
+        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=1, drop_pre=True)
     assert checked

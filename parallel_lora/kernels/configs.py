@@ -147,6 +147,33 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return max(gemm_tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
 
 
+def shrink_gemm_configs() -> list[triton.Config]:
+    """The forward's fused launch (``shrink_gemm``): the TMA GEMM's tiles, each with the K step ``S_BLOCK_K`` of
+    the S rows its spare programs produce (``BLOCK_M`` rows at a time). The fallback row fits ~100 KB."""
+    rows = [
+        (128, 256, 64, 3, 8, 128),
+        (256, 128, 64, 3, 8, 128),
+        (128, 128, 64, 4, 8, 128),
+        (64, 64, 64, 3, 4, 64),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "S_BLOCK_K": sk}, num_stages=s, num_warps=w
+        )
+        for bm, bn, bk, s, w, sk in rows
+    ]
+
+
+def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The producers' loop (x and A^T tiles, ``S_STAGES`` buffers) and the GEMM's run in different programs or one
+    # after the other, so they share shared memory: the larger of the two, plus the atomics' slot. A tile that
+    # produces its own S does so while its previous tile's output staging (half a tile) may still be draining
+    # (measured on sm_90, Triton 3.6: 163864 B at 128 x 128, r = 16).
+    bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
+    produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // 2) * elem
+    return max(gemm_tma_smem(cfg, stages, elem, consts), produce) + ATOMIC_SLOT
+
+
 def shrink_configs() -> list[triton.Config]:
     """Rank-r shrink ``[M, K] @ [K, r]``: (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD.
 
@@ -218,6 +245,7 @@ INTERP_CONFIGS = {
     "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
     "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
     "dx_grads": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "RED_BLOCK_F": 32},
+    "shrink_gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32},
 }
 
 

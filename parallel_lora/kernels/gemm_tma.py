@@ -51,7 +51,7 @@ from .dropout_mask import keep_tile
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped order: ``GROUP_M`` row-blocks of tiles share each sweep over the N tiles."""
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = tile_id // num_pid_in_group
@@ -63,12 +63,14 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _rank_term(
+def rank_term(
     acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    S_CACHE: tl.constexpr,
 ):  # fmt: skip
     """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32, r in ``BLOCK_R`` chunks (unrolled; a chunk past R
-    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r."""
+    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r. ``S_CACHE``:
+    the loads' cache modifier for s (".cg" reads s at L2, where another program of this launch wrote it)."""
     m_in = offs_m < M
     n_in = offs_n < N_OUT
     rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
@@ -76,7 +78,7 @@ def _rank_term(
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_in = offs_r < R
         s = tl.load(s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr, mask=m_in[:, None] & r_in[None, :],
-                    other=0.0)  # fmt: skip
+                    other=0.0, cache_modifier=S_CACHE)  # fmt: skip
         f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
                     mask=r_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
         if UPCAST:
@@ -84,6 +86,42 @@ def _rank_term(
             f = f.to(tl.float32)
         acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def k_loop(
+    acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``acc + x[tile rows, :] @ w[:, tile columns]``: the pipelined K loop of one output tile."""
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = x_desc.load([pid_m * BLOCK_M, off_k])
+        if W_NK:
+            b = w_desc.load([pid_n * BLOCK_N, off_k]).T
+        else:
+            b = w_desc.load([off_k, pid_n * BLOCK_N])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def store_tile(
+    acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Add the bias and store the tile through ``out_desc``, rounded once to ``out_ptr``'s dtype."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
+        acc += bias[None, :].to(tl.float32)
+    # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -110,39 +148,23 @@ def gemm_tiles(
     num_tiles = num_pid_m * num_pid_n
 
     for tile_id in tl.range(first_tile, num_tiles, tile_step):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LORA_DROP:
             # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
             # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
-            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
             keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
             acc = tl.where(keep, acc * keep_scale, 0.0)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = x_desc.load([pid_m * BLOCK_M, off_k])
-            if W_NK:
-                b = w_desc.load([pid_n * BLOCK_N, off_k]).T
-            else:
-                b = w_desc.load([off_k, pid_n * BLOCK_N])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if not LORA_DROP:
-            acc = _rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION)  # fmt: skip
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
-            acc += bias[None, :].to(tl.float32)
-        # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
+        store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
+                   BLOCK_N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])

@@ -5,6 +5,7 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
     forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
               S = s * drop_post(drop_pre(x) A^T)          shrink kernel        (saved for backward)
               y = x W^T + b + S B^T                        GEMM kernel, S B^T in the same fp32 accumulator
+              (on the TMA path S and y are one launch: S is produced on the GEMM's spare SMs)
     backward  dy [M, N] (+ x, W, A, B, S)  ->  dx [M, K], dA [r, K], dB [N, r]   (no dW: W is frozen)
               G  = s * drop_post(dy B)                     shrink kernel
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
@@ -23,13 +24,14 @@ import math
 import torch
 
 from ..dropout import Dropout
-from ._interp import MAX_RANK, interpreting
+from ._interp import MAX_RANK, interpreting, pad_rank
 from .configs import Site
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
 from .gemm_tma import tma_compatible
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
+from .shrink_gemm import MAX_FUSED_R_PAD, lora_shrink_gemm
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -129,8 +131,23 @@ def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs
 # call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
 # checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
 # machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
-_FORWARD_SITES: dict[tuple, tuple[Site, Site]] = {}
+_FORWARD_SITES: dict[tuple, tuple[Site, Site, bool]] = {}
 _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool]] = {}
+
+
+def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """W as the TMA GEMM reads it for y: ``[N, K]`` as stored (``w_nk``), or ``W^T`` when that has the unit inner
+    stride; the same choice ``gemm.lora_gemm`` makes for ``w = W.t()``."""
+    w = weight.t()
+    w_nk = w.stride(0) == 1 and w.stride(1) != 1
+    return (w.t() if w_nk else w), w_nk
+
+
+def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+    # Empty problems and large ranks stay on the separate launches.
+    if x.numel() == 0 or weight.numel() == 0 or pad_rank(lora_A.shape[0]) > MAX_FUSED_R_PAD:
+        return False
+    return tma_compatible(x, _y_operand(weight)[0], weight.shape[0])
 
 
 def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -179,9 +196,18 @@ def forward(
             {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
             {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
         )
-        sites = (Site(), Site())
+        sites = (Site(), Site(), _y_takes_tma(x, weight, lora_A))
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
+    if sites[2]:
+        w, w_nk = _y_operand(weight)
+        y, s_lora = lora_shrink_gemm(
+            x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_pre=pre, drop_post=mode == "post",
+            k_offset=k_offset, **_drop_kwargs(drop), site=sites[0],
+        )  # fmt: skip
+        if key is not None:
+            _FORWARD_SITES[key] = sites
+        return y, s_lora
     s_lora = lora_shrink(
         x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=k_offset,
         **_drop_kwargs(drop), site=sites[0],

@@ -23,6 +23,53 @@ from .configs import KernelSpec, Site, launch, shrink_configs, shrink_fits, shri
 from .dropout_mask import keep_tile
 
 
+@triton.jit
+def shrink_rows(
+    x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
+    k_offset, DROP_PRE: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    X_TMA: tl.constexpr,
+):  # fmt: skip
+    """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
+    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``X_TMA``: x's tiles
+    through a TMA descriptor (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give),
+    which the compiler pipelines where it leaves masked pointer loads unpipelined (Triton 3.9, sm_90)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, R_PAD)
+    m_in = offs_m < M
+    r_in = offs_r < R
+    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
+
+    if X_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_in = offs_k < K - k0
+        if X_TMA:
+            x = x_desc.load([row0, k0])
+        else:
+            x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
+        if DROP_PRE:
+            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], k_offset + k0 + offs_k[None, :])
+            x = tl.where(keep, x, tl.zeros_like(x))
+        if UPCAST:
+            x = x.to(tl.float32)
+            u = u.to(tl.float32)
+        acc = tl.dot(x, u, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        u_ptrs += BLOCK_K * stride_uk
+
+    if DROP_POST:
+        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], offs_r[None, :])
+        acc = tl.where(keep, acc, 0.0)
+    return acc * out_scale
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
 def _lora_shrink_kernel(
     # pointers
@@ -55,37 +102,15 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    row0 = tl.program_id(0) * BLOCK_M
+    acc = shrink_rows(
+        x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
+        k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
+    )  # fmt: skip
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R_PAD)
-    m_in = offs_m < M
-    r_in = offs_r < R
-    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
-
-    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
-    for k0 in range(0, K, BLOCK_K):
-        k_in = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
-        if DROP_PRE:
-            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], k_offset + k0 + offs_k[None, :])
-            x = tl.where(keep, x, tl.zeros_like(x))
-        if UPCAST:
-            x = x.to(tl.float32)
-            u = u.to(tl.float32)
-        acc = tl.dot(x, u, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        u_ptrs += BLOCK_K * stride_uk
-
-    if DROP_POST:
-        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], offs_r[None, :])
-        acc = tl.where(keep, acc, 0.0)
-    acc = acc * out_scale
-
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :] * stride_or
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & r_in[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
 
 
 _SPEC = KernelSpec(

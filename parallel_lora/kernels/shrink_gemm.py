@@ -1,0 +1,256 @@
+"""The forward's shrink and GEMM in one persistent launch (Hopper, TMA path):
+
+    S = c * drop_post(drop_pre(x) A^T)      [M, r]   on the GEMM's spare SMs (``shrink.shrink_rows``)
+    y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (``gemm_tma``'s tile loop)
+
+As in ``dx_grads``: a persistent GEMM of ``T`` tiles on ``P`` SMs needs only ``ceil(T / ceil(T / P))`` programs
+for its ``ceil(T / P)`` waves (128 of the H200's 132 at 8192 x 4096 -> 4096), and the separate shrink cost
+~28 us there. Here the spare programs produce S, one GEMM row block (``BLOCK_M`` rows) at a time, in the order
+the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
+
+Synchronization, per launch epoch ``e`` (read from the stream's sync buffer at the start): a row block's flag
+is *claimed* (``2e + 1``, compare-and-swap) by whichever program first produces it, then *published*
+(``2e + 2``, release) once its S rows are stored. Spare programs claim row blocks off a queue; a GEMM tile whose
+row block is still unclaimed after its K loop claims and computes it itself; one already claimed is waited for.
+A claimer computes its rows without waiting on anything, so no program ever waits on one that may not be
+running (whatever the GPU co-schedules), and S is the same whoever computes it (one function, same tiles,
+same order). The last program to finish advances ``e`` and resets the queue: the flags need no reset, and the
+launch holds no host-side state (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stream_buffer
+from .configs import (
+    GEMM_KEY,
+    MAX_BLOCK_R,
+    Bound,
+    KernelSpec,
+    gemm_fits,
+    gemm_work,
+    launch,
+    shrink_gemm_configs,
+    shrink_gemm_smem,
+    sm_count,
+)
+from .gemm_tma import ensure_allocator, k_loop, rank_term, store_tile, tile_coords
+from .shrink import shrink_rows
+
+# The rank tiles the fused forward takes (larger ranks keep the separate shrink: a [BLOCK_M, R_PAD] fp32
+# producer tile beside the GEMM's registers would spill).
+MAX_FUSED_R_PAD = 64
+
+
+@triton.jit
+def _produce(
+    x_ptr, u_ptr, s_ptr, flag_ptr, seen, claimed, published, pid_m, M, K_RED, R, stride_xm, stride_uk,
+    stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE: tl.constexpr,
+    DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Claim row block ``pid_m`` if it is unclaimed in this launch (its flag still reads ``seen``, from an earlier
+    launch), and if so compute, store and publish its S rows."""
+    if seen < claimed:
+        if tl.atomic_cas(flag_ptr, seen, claimed, sem="relaxed", scope="gpu") == seen:
+            acc = shrink_rows(
+                x_ptr, u_ptr, pid_m * BLOCK_M, M, K_RED, R, stride_xm, 1, stride_uk, stride_ur, s_scale, p, seed_lo,
+                seed_hi, k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                True,
+            )  # fmt: skip
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_r = tl.arange(0, R_PAD)
+            s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr
+            tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
+            # Every thread's stores happen before one thread's release-ordered publication.
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_ptr, published, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+def _shrink_gemm_kernel(
+    # pointers
+    x_ptr,  # [M, K_RED]     unit inner stride
+    w_ptr,  # W [N_OUT, K_RED] when W_NK, else W^T [K_RED, N_OUT]; unit inner stride
+    bias_ptr,  # [N_OUT] or a dummy when not HAS_BIAS
+    u_ptr,  # A^T [K_RED, R] (any strides)
+    s_ptr,  # S [M, R]       written here
+    f_ptr,  # B^T [R, N_OUT] (any strides)
+    out_ptr,  # y [M, N_OUT] unit inner stride
+    sync_ptr,  # int32 [epoch, finished programs, queue head, one flag per row block] of this stream
+    # sizes
+    M, N_OUT, K_RED, R,
+    # strides
+    stride_xm, stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
+    # runtime scalars (changing them never recompiles)
+    s_scale, p, seed_lo, seed_hi, k_offset,
+    # compile-time
+    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_PRE: tl.constexpr, DROP_POST: tl.constexpr,
+    FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
+    spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
+    # Scalar reads of shared state are atomics: Triton broadcasts an atomic's result to the whole program, where a
+    # plain load is one per thread, and threads seeing different values would diverge around barriers (hangs, on
+    # the H200). The one plain read, a tile's early look at its flag, is made uniform by a vote.
+    epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
+    claimed = 2 * epoch + 1
+    published = claimed + 1
+    flags = sync_ptr + 3
+
+    if pid < spare:
+        rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+        while rb < num_pid_m:
+            seen = tl.atomic_add(flags + rb, 0, sem="relaxed", scope="gpu")
+            _produce(
+                x_ptr, u_ptr, s_ptr, flags + rb, seen, claimed, published, rb, M, K_RED, R, stride_xm, stride_uk,
+                stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE, DROP_POST, R_PAD,
+                UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+            )  # fmt: skip
+            rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+    else:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+        if W_NK:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
+        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+        k_tiles = tl.cdiv(K_RED, BLOCK_K)
+        for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
+            pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            # Read before the K loop (nothing waits for it; it is normally published by the end), by each thread.
+            seen = tl.load(flags + pid_m, volatile=True)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                         BLOCK_K)  # fmt: skip
+            if FENCE:
+                # Threads may have read the flag on either side of its publication: one barrier vote
+                # (``__syncthreads_or``) makes the choice below the same for the whole program.
+                pending = tl.inline_asm_elementwise(
+                    "{ .reg .pred p, q; setp.ne.s32 q, $1, $2; bar.red.or.pred p, 0, q; selp.s32 $0, 1, 0, p; }",
+                    "=r,r,r", [seen, published], dtype=tl.int32, is_pure=False, pack=1,
+                )  # fmt: skip
+            else:
+                pending = seen != published
+            if pending:
+                seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
+                _produce(
+                    x_ptr, u_ptr, s_ptr, flags + pid_m, seen, claimed, published, pid_m, M, K_RED, R, stride_xm,
+                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE,
+                    DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                )  # fmt: skip
+                # Claimed by a running program (maybe this one), which publishes without waiting on anything.
+                seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
+                while seen != published:
+                    seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
+            if FENCE:
+                # The relaxed load that saw the release, then an acquire fence (the PTX memory model's acquire
+                # pattern): the loads of S below come after the producer's stores.
+                seen = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [seen],
+                                                 dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                            stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, ".cg")  # fmt: skip
+            store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS,
+                       BLOCK_M, BLOCK_N)  # fmt: skip
+
+    # Every program read the epoch and took its last queue item before this release; the last one to finish
+    # (acquire) resets the queue and advances the epoch for the next launch on this stream.
+    finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == programs - 1:
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr, epoch + 1, sem="relaxed", scope="gpu")
+
+
+_SPEC = KernelSpec(
+    name="shrink_gemm",
+    configs=shrink_gemm_configs,
+    key=GEMM_KEY,
+    smem=shrink_gemm_smem,
+    work=gemm_work,
+    fits=gemm_fits,
+    dtype_arg="x_ptr",
+)
+
+# (device, stream) -> the int32 sync buffer of the launches on that stream (they run one after another).
+_SYNC: dict[tuple, torch.Tensor] = {}
+
+# The producers' pipeline depth (their stages share the GEMM's shared memory: ``configs.shrink_gemm_smem``).
+S_STAGES = 4
+
+
+def lora_shrink_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_nk: bool,
+    bias: torch.Tensor | None,
+    u: torch.Tensor,
+    f: torch.Tensor,
+    scale: float,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    k_offset: int = 0,
+    drop_pre: bool = False,
+    drop_post: bool = False,
+    site=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [M, N], S [M, r])`` in ``x.dtype``: ``S = c * drop_post(drop_pre(x) @ u)`` with ``u = A^T [K, r]`` and
+    ``c = scale / (1 - p)`` if a mask is applied, else ``scale`` (as ``shrink.lora_shrink``), and
+    ``y = x @ W^T (+ bias) + S @ f`` with ``f = B^T [r, N]``, in one launch. ``w`` is W as the TMA GEMM reads it
+    (``[N, K]`` with ``w_nk``, else ``W^T [K, N]``); operands are checked by the caller, TMA-describable
+    (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
+    M, K = x.shape
+    R, N = f.shape
+    dev, dtype = x.device, x.dtype
+    y = torch.empty((M, N), device=dev, dtype=dtype)
+    s_lora = torch.empty((M, R), device=dev, dtype=dtype)
+    # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
+    sync = stream_buffer(_SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
+    c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
+    seed_lo, seed_hi = split_seed(seed)
+    tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
+    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
+    if site is not None and site.bound is not None:
+        ensure_allocator()
+        site.bound.launch(tensors, runtime)
+        return y, s_lora
+    if not interpreting():
+        ensure_allocator()
+    num_sms = 3 if interpreting() else sm_count(dev.index or 0)
+
+    def build():
+        r_pad = pad_rank(R)
+        static = (M, N, K, R, x.stride(0), w.stride(0), *u.stride(), *s_lora.stride(), *f.stride(), y.stride(0),
+                  bias.stride(0) if bias is not None else 0)  # fmt: skip
+        consts = {
+            "W_NK": w_nk,
+            "HAS_BIAS": bias is not None,
+            "DROP_PRE": drop_pre,
+            "DROP_POST": drop_post,
+            "FENCE": not interpreting(),  # the interpreter runs programs one after another
+            "R_PAD": r_pad,
+            "BLOCK_R": min(r_pad, MAX_BLOCK_R),
+            "S_STAGES": 2 if interpreting() else S_STAGES,
+            **dot_options(dtype),
+        }
+        return static, lambda meta: (num_sms,), consts
+
+    signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), u.shape,
+                 u.stride(), f.stride(), dtype, drop_pre, drop_post, num_sms)  # fmt: skip
+    bound: Bound = launch(_SPEC, _shrink_gemm_kernel, signature, tensors, runtime, build)
+    if site is not None:
+        site.bound = bound
+    return y, s_lora
