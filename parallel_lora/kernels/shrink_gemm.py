@@ -101,8 +101,8 @@ def _shrink_gemm_kernel(
     # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
     spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
     # Scalar reads of shared state are atomics: Triton broadcasts an atomic's result to the whole program, where a
-    # plain load is one per thread, and threads seeing different values would diverge around barriers (hangs, on
-    # the H200). The one plain read, a tile's early look at its flag, is made uniform by a vote.
+    # plain load is one per thread, and threads seeing different values would diverge around barriers (the likely
+    # cause of a hang on the H200). The one plain read, a tile's early look at its flag, is made uniform by a vote.
     epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
     claimed = 2 * epoch + 1
     published = claimed + 1
