@@ -929,6 +929,25 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
 
 @gpu
 @needs_cuda
+def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly():
+    # M = 128 * SMs with N = 4096 makes the tile count a multiple of the SM count for every config (128x256,
+    # 128x128, 64x64): no spare program. The forward's tiles then claim and compute S themselves while the row
+    # block's other tiles wait, and the backward's GEMM programs work the whole reduction queue after their tiles.
+    torch.manual_seed(0)
+    sms = kconfigs.sm_count(torch.cuda.current_device())
+    inputs = make_inputs(128 * sms, 1024, 4096, 16, torch.bfloat16, device="cuda")
+    drop = Dropout(p=0.1, seed=7, position="pre")
+    check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
+    x, weight, b, lora_A, lora_B, dy = inputs
+    runs = []
+    for _ in range(2):
+        y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+        runs.append((y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)))
+    assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("r", [16, 64, 256])
 @pytest.mark.parametrize("op", ["dx_grads", "shrink_gemm"])
 def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
