@@ -31,9 +31,11 @@ from parallel_lora import LoRAConfig, LoRALinear, kernels  # noqa: E402
 from parallel_lora.dtypes import canonicalize  # noqa: E402
 from parallel_lora.functional import check_inputs, resolve_backend  # noqa: E402
 from parallel_lora.kernels import configs  # noqa: E402
+from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
+from parallel_lora.kernels.shrink_gemm import lora_shrink_gemm  # noqa: E402
 
 
 def measure(fn, iters: int) -> tuple[float, float, int]:
@@ -163,6 +165,8 @@ def main():
         "lora_shrink(dy)": lambda: lora_shrink(dy, Bd, s),
         "lora_gemm(dx)": lambda: lora_gemm(dy, W, None, G, Ad),
         "lora_adapter_grads": lambda: lora_adapter_grads(x, G, dy, S),
+        "lora_shrink_gemm (fused y)": lambda: lora_shrink_gemm(x, W, True, None, Ad.t(), Bd.t(), s),
+        "lora_dx_and_grads (fused dx)": lambda: lora_dx_and_grads(dy, W, False, G, Ad, x, S),
         "kernels.forward": lambda: kernels.forward(x, W, None, Ad, Bd, s, None),
         "kernels.backward_unchecked": lambda: kernels.backward_unchecked(dy, x, W, Ad, Bd, S, s, None),
         "LoRALinear forward (grad on)": layer_fwd,

@@ -131,8 +131,8 @@ def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs
 # call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
 # checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
 # machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
-_FORWARD_SITES: dict[tuple, tuple[Site, Site, bool]] = {}
-_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool]] = {}
+_FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
+_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
 
 
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -196,11 +196,14 @@ def forward(
             {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
             {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
         )
-        sites = (Site(), Site(), _y_takes_tma(x, weight, lora_A))
+        # Whether the layout takes the fused launch, and how it reads W (``w_nk``; None: separate launches), are
+        # the layout's: decided once and kept with its sites.
+        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_tma(x, weight, lora_A) else None)
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
-    if sites[2]:
-        w, w_nk = _y_operand(weight)
+    w_nk = sites[2]
+    if w_nk is not None:
+        w = weight if w_nk else weight.t()
         y, s_lora = lora_shrink_gemm(
             x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_pre=pre, drop_post=mode == "post",
             k_offset=k_offset, **_drop_kwargs(drop), site=sites[0],
@@ -266,15 +269,16 @@ def backward_unchecked(
     key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
-        entry = (Site(), Site(), Site(), needs_dx and (needs_dA or needs_dB) and _dx_takes_tma(dy, weight))
-    *sites, fused = entry
+        fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_tma(dy, weight)
+        entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None)
+    *sites, w_nk = entry
     dx = dA = dB = None
     g = None
     if needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
-    if fused:
+    if w_nk is not None:
         # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
-        w, w_nk = _dx_operand(weight)
+        w = weight.t() if w_nk else weight
         dx, dA, dB = lora_dx_and_grads(
             dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB else None,
             lora_drop=pre, k_offset=k_offset, **_drop_kwargs(drop), site=sites[1],

@@ -224,7 +224,8 @@ def lora_shrink_gemm(
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
     runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
     if site is not None and site.bound is not None:
-        ensure_allocator()
+        if site.info[0]:  # on GPU: Triton's descriptor workspace
+            ensure_allocator()
         site.bound.launch(tensors, runtime)
         return y, s_lora
     if not interpreting():
@@ -252,5 +253,5 @@ def lora_shrink_gemm(
                  u.stride(), f.stride(), dtype, drop_pre, drop_post, num_sms)  # fmt: skip
     bound: Bound = launch(_SPEC, _shrink_gemm_kernel, signature, tensors, runtime, build)
     if site is not None:
-        site.bound = bound
+        site.info, site.bound = (not interpreting(),), bound
     return y, s_lora
