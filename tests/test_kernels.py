@@ -888,19 +888,12 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
     assert tuner_calls, "a new bucket must tune"
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("r", [16, 256])
-def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
-    # The fused adapter-gradient kernel holds two reduction loops (x's tiles, dy's tiles); the pruning
-    # estimate must still bound what the compiler allocates, or a ~100 KB GPU could be handed a config
-    # that does not fit.
+def _compile_every_config(checked: list):
+    """A stand-in for ``configs.launch`` that compiles the launch with every config its shared-memory estimate
+    keeps on this GPU and checks the estimate bounds what the compiler allocated (appending each to ``checked``)."""
     from triton.runtime.errors import OutOfResources
 
-    from parallel_lora.kernels import rank_reduce
-
     limit = kconfigs.max_shared_mem(torch.cuda.current_device())
-    checked = []
 
     def compile_each(spec, kernel, signature, tensors, runtime, build):
         static, grid, consts = build()
@@ -918,6 +911,20 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
             assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
             checked.append(cfg)
 
+    return compile_each
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("r", [16, 256])
+def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatch, r):
+    # The fused adapter-gradient kernel holds two reduction loops (x's tiles, dy's tiles); the pruning
+    # estimate must still bound what the compiler allocates, or a ~100 KB GPU could be handed a config
+    # that does not fit.
+    from parallel_lora.kernels import rank_reduce
+
+    checked = []
+    compile_each = _compile_every_config(checked)
     monkeypatch.setattr(rank_reduce, "launch", compile_each)
     torch.manual_seed(0)
     M, K, N = 4096, 1024, 512
@@ -954,32 +961,13 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two
     # reductions, or the producers' shrink); their buffers share shared memory (the estimate takes the larger),
     # which only holds if the compiler reuses them.
-    from triton.runtime.errors import OutOfResources
-
     from parallel_lora.kernels import dx_grads, shrink_gemm
 
     if op == "shrink_gemm" and r > 64:
         pytest.skip("ranks above 64 keep the separate shrink")
 
-    limit = kconfigs.max_shared_mem(torch.cuda.current_device())
     checked = []
-
-    def compile_each(spec, kernel, signature, tensors, runtime, build):
-        static, grid, consts = build()
-        args = (*tensors, *static, *runtime)
-        nargs = dict(zip(kernel.arg_names, args, strict=False))
-        elem = nargs[spec.dtype_arg].element_size()
-        for cfg in spec.configs():
-            need = spec.smem(cfg.kwargs, cfg.num_stages, elem, {**nargs, **consts})
-            if need > limit:
-                continue  # pruned before any launch
-            try:
-                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
-            except OutOfResources as err:
-                pytest.fail(f"{cfg} estimated {need} B but did not fit: {err}")
-            assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
-            checked.append(cfg)
-
+    compile_each = _compile_every_config(checked)
     monkeypatch.setattr(dx_grads, "launch", compile_each)
     monkeypatch.setattr(shrink_gemm, "launch", compile_each)
     torch.manual_seed(0)

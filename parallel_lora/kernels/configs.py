@@ -120,22 +120,19 @@ def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem
 
 
+def _with_spare_work(name: str, values: Sequence[int]) -> list[triton.Config]:
+    """The TMA GEMM's configs, row by row, each with ``name``: a tile size of the work its spare programs do."""
+    return [
+        triton.Config({**c.kwargs, name: v}, num_stages=c.num_stages, num_warps=c.num_warps)
+        for c, v in zip(gemm_tma_configs(), values, strict=True)
+    ]
+
+
 def dx_grads_configs() -> list[triton.Config]:
     """The backward's fused launch (``dx_grads``): the TMA GEMM's tiles, each with the column width
-    ``RED_BLOCK_F`` of the adapter-gradient tiles its spare programs reduce (their M tile is chosen from the
-    rank, ``dx_grads.red_block_m``). The fallback row fits ~100 KB like the GEMM's."""
-    rows = [
-        (128, 256, 64, 3, 8, 128),
-        (256, 128, 64, 3, 8, 128),
-        (128, 128, 64, 4, 8, 128),
-        (64, 64, 64, 3, 4, 32),
-    ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "RED_BLOCK_F": bf}, num_stages=s, num_warps=w
-        )
-        for bm, bn, bk, s, w, bf in rows
-    ]
+    ``RED_BLOCK_F`` of the adapter-gradient tiles its spare programs reduce (their M tile and stages are chosen
+    from the rank, ``dx_grads.red_tiles``). The fallback row fits ~100 KB like the GEMM's."""
+    return _with_spare_work("RED_BLOCK_F", (128, 128, 128, 32))
 
 
 def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
@@ -150,18 +147,7 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 def shrink_gemm_configs() -> list[triton.Config]:
     """The forward's fused launch (``shrink_gemm``): the TMA GEMM's tiles, each with the K step ``S_BLOCK_K`` of
     the S rows its spare programs produce (``BLOCK_M`` rows at a time). The fallback row fits ~100 KB."""
-    rows = [
-        (128, 256, 64, 3, 8, 128),
-        (256, 128, 64, 3, 8, 128),
-        (128, 128, 64, 4, 8, 128),
-        (64, 64, 64, 3, 4, 64),
-    ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "S_BLOCK_K": sk}, num_stages=s, num_warps=w
-        )
-        for bm, bn, bk, s, w, sk in rows
-    ]
+    return _with_spare_work("S_BLOCK_K", (128, 128, 128, 64))
 
 
 def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:

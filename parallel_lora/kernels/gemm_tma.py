@@ -89,6 +89,22 @@ def rank_term(
 
 
 @triton.jit
+def gemm_descriptors(
+    x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The TMA descriptors of x's ``[BLOCK_M, BLOCK_K]`` tiles, w's tiles (``[BLOCK_N, BLOCK_K]`` of W when
+    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's half-width ``[BLOCK_M, BLOCK_N // 2]`` tiles."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+    return x_desc, w_desc, out_desc
+
+
+@triton.jit
 def k_loop(
     acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -135,12 +151,8 @@ def gemm_tiles(
 ):  # fmt: skip
     """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
     persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch."""
-    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-    if W_NK:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
-    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+    x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
+                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)

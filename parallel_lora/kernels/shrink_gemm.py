@@ -37,7 +37,7 @@ from .configs import (
     shrink_gemm_smem,
     sm_count,
 )
-from .gemm_tma import ensure_allocator, k_loop, rank_term, store_tile, tile_coords
+from .gemm_tma import ensure_allocator, gemm_descriptors, k_loop, rank_term, store_tile, tile_coords
 from .shrink import shrink_rows
 
 # The rank tiles the fused forward takes (larger ranks keep the separate shrink: a [BLOCK_M, R_PAD] fp32
@@ -119,12 +119,8 @@ def _shrink_gemm_kernel(
             )  # fmt: skip
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     else:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-        if W_NK:
-            w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
-        else:
-            w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
-        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+        x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
+                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         k_tiles = tl.cdiv(K_RED, BLOCK_K)
         for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
             pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
