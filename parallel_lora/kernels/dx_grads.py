@@ -38,7 +38,7 @@ from .configs import (
     sm_count,
 )
 from .gemm_tma import ensure_allocator, gemm_tiles, tma_rows
-from .rank_reduce import _COUNTERS, _PARTIALS, finish_tile, reduce_tile, split_rows
+from .rank_reduce import _COUNTERS, _PARTIALS, grad_problems, reduce_item, split_rows
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
@@ -74,36 +74,17 @@ def _dx_and_grads_kernel(
             W_NK, False, LORA_DROP, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
-    tiles_a = tl.cdiv(F_A, RED_BLOCK_F)
-    num_items = (tiles_a + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
+    num_items = (tl.cdiv(F_A, RED_BLOCK_F) + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
     queue = count_ptr + F_A + F_B  # [head, finished programs], after the tiles' arrival counters
     item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
     while item < num_items:
-        tile = item // num_splits
-        pid_s = item % num_splits
-        m_start = pid_s * m_per_split
-        m_end = tl.minimum(m_start + m_per_split, M)
-        if tile < tiles_a:
-            acc = reduce_tile(
-                fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
-                p, seed_lo, seed_hi, k_offset, LORA_DROP, A_TMA, R_PAD, UPCAST, DOT_PRECISION, RED_BLOCK_F,
-                RED_BLOCK_M, RED_STAGES,
-            )  # fmt: skip
-            finish_tile(
-                acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf,
-                stride_oar, stride_ws, keep_scale, R_PAD, RED_BLOCK_F,
-            )  # fmt: skip
-        else:
-            tile_b = tile - tiles_a
-            acc = reduce_tile(
-                fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm,
-                stride_gbr, p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, RED_BLOCK_F,
-                RED_BLOCK_M, RED_STAGES,
-            )  # fmt: skip
-            finish_tile(
-                acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
-                stride_obr, stride_ws, 1.0, R_PAD, RED_BLOCK_F,
-            )  # fmt: skip
+        reduce_item(
+            item // num_splits, item % num_splits, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr,
+            count_ptr, M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar,
+            stride_oaf, stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr,
+            stride_ws, keep_scale, p, seed_lo, seed_hi, k_offset, LORA_DROP, A_TMA, B_TMA, R_PAD, UPCAST,
+            DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
+        )  # fmt: skip
         item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
     # Every program's last take from the queue comes before its release here; the last one to finish
     # (acquire) leaves the queue at zero for the next launch on this stream.
@@ -159,14 +140,10 @@ def lora_dx_and_grads(
     want_a, want_b = x is not None, s_lora is not None
     dev, dtype = dy.device, dy.dtype
     dx = torch.empty((M, K), device=dev, dtype=dtype)
-    dA = torch.empty((R, K), device=dev, dtype=dtype) if want_a else None
-    dB = torch.empty((N, R), device=dev, dtype=dtype) if want_b else None
-    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
-    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora)
+    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = problems
     F_A = K if want_a else 0
     F_B = N if want_b else 0
-    out_a = dA if want_a else dB
-    out_b = dB if want_b else dA
     hit = site is not None and site.bound is not None
     if hit:
         split, partials = site.info

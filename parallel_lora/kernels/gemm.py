@@ -38,7 +38,7 @@ from .configs import (
     launch,
 )
 from .dropout_mask import keep_tile
-from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible
+from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible, tma_operand
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -192,8 +192,7 @@ def lora_gemm(
     R = s.shape[1]
     # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
     # for dx, or W = w.t() for y.
-    w_nk = w.stride(0) == 1 and w.stride(1) != 1
-    w_tma = w.t() if w_nk else w
+    w_tma, w_nk = tma_operand(w)
     use_tma = tma_compatible(x, w_tma, N_out)
     if use_tma:
         bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop)

@@ -260,6 +260,13 @@ def tma_rows(t: torch.Tensor) -> bool:
     return col_stride == 1 and row_stride % 8 == 0 and t.data_ptr() % 16 == 0  # 8 16-bit elements = 16 B
 
 
+def tma_operand(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The frozen operand ``w [K_red, N_out]`` (W^T for y, W for dx) as the TMA GEMM reads it: ``(w, False)``, or
+    ``(w.t(), True)`` (``W_NK``: tiles read transposed) when the transpose has the unit inner stride."""
+    w_nk = w.stride(0) == 1 and w.stride(1) != 1
+    return (w.t() if w_nk else w), w_nk
+
+
 def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
     """Whether ``x [M, K_red]`` and the frozen operand ``w`` (W, either orientation, as passed) can go through
     the TMA GEMM, with an output whose rows (``out_cols`` elements) are 16-byte aligned."""

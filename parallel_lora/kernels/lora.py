@@ -28,7 +28,7 @@ from ._interp import MAX_RANK, interpreting, pad_rank
 from .configs import Site
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
-from .gemm_tma import tma_compatible
+from .gemm_tma import tma_compatible, tma_operand
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
 from .shrink_gemm import MAX_FUSED_R_PAD, lora_shrink_gemm
@@ -136,11 +136,8 @@ _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
 
 
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """W as the TMA GEMM reads it for y: ``[N, K]`` as stored (``w_nk``), or ``W^T`` when that has the unit inner
-    stride; the same choice ``gemm.lora_gemm`` makes for ``w = W.t()``."""
-    w = weight.t()
-    w_nk = w.stride(0) == 1 and w.stride(1) != 1
-    return (w.t() if w_nk else w), w_nk
+    """W as the TMA GEMM reads it for y (``w = W^T``, as ``gemm.lora_gemm`` is called)."""
+    return tma_operand(weight.t())
 
 
 def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
@@ -151,10 +148,8 @@ def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) ->
 
 
 def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """W as the TMA GEMM reads it for dx: ``[N, K]`` as stored, or ``W.t()`` (``w_nk``) when that has the unit
-    inner stride; the same choice ``gemm.lora_gemm`` makes."""
-    w_nk = weight.stride(0) == 1 and weight.stride(1) != 1
-    return (weight.t() if w_nk else weight), w_nk
+    """W as the TMA GEMM reads it for dx (``w = W``, as ``gemm.lora_gemm`` is called)."""
+    return tma_operand(weight)
 
 
 def _dx_takes_tma(dy: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -118,6 +118,43 @@ def finish_tile(
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def reduce_item(
+    tile, pid_s, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+    M, F_A, F_B, R, m_per_split, num_splits,
+    stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    scale_a, p, seed_lo, seed_hi, f_offset,
+    DROP_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """One work item: column tile ``tile`` (of x's tiles, then dy's) over M split ``pid_s``, reduced and
+    finished (stored, or its partial added to the tile's split sum). Shared by this file's kernel (an item per
+    program) and the backward's fused launch (items off a queue)."""
+    m_start = pid_s * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, M)
+    tiles_a = tl.cdiv(F_A, BLOCK_F)
+    if tile < tiles_a:
+        acc = reduce_tile(
+            fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
+            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+        )  # fmt: skip
+        finish_tile(
+            acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
+            stride_ws, scale_a, R_PAD, BLOCK_F,
+        )  # fmt: skip
+    else:
+        tile_b = tile - tiles_a
+        acc = reduce_tile(
+            fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
+            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+        )  # fmt: skip
+        finish_tile(
+            acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
+            stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
+        )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "f_offset"])
 def _lora_adapter_grads_kernel(
     # pointers: problem a (dA: x, G) and problem b (dB: dy, S), the partials and the arrival counters
@@ -133,30 +170,12 @@ def _lora_adapter_grads_kernel(
     DROP_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    m_start = pid_s * m_per_split
-    m_end = tl.minimum(m_start + m_per_split, M)
-    tiles_a = tl.cdiv(F_A, BLOCK_F)
-    if tile < tiles_a:
-        acc = reduce_tile(
-            fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
-            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
-        )  # fmt: skip
-        finish_tile(
-            acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
-            stride_ws, scale_a, R_PAD, BLOCK_F,
-        )  # fmt: skip
-    else:
-        tile_b = tile - tiles_a
-        acc = reduce_tile(
-            fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
-            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
-        )  # fmt: skip
-        finish_tile(
-            acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
-            stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
-        )  # fmt: skip
+    reduce_item(
+        tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+        M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf,
+        stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, scale_a, p,
+        seed_lo, seed_hi, f_offset, DROP_A, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
+    )  # fmt: skip
 
 
 _SPEC = KernelSpec(
@@ -193,6 +212,21 @@ _PARTIALS: dict[tuple, torch.Tensor] = {}
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
+def grad_problems(x, g, dy, s_lora) -> tuple:
+    """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
+    (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
+    gradient not wanted: ``(dA [r, K] | None, dB [N, r] | None, (feat_a, g_a, out_a), (feat_b, g_b, out_b))``
+    with fresh outputs. A problem not wanted borrows the other's tensors (the kernels give it no columns)."""
+    want_a, want_b = x is not None, dy is not None
+    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
+    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    R = g_a.shape[1]
+    dev, dtype = feat_a.device, feat_a.dtype
+    dA = torch.empty((R, feat_a.shape[1]), device=dev, dtype=dtype) if want_a else None
+    dB = torch.empty((feat_b.shape[1], R), device=dev, dtype=dtype) if want_b else None
+    return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
+
+
 def lora_adapter_grads(
     x: torch.Tensor | None,
     g: torch.Tensor | None,
@@ -211,19 +245,12 @@ def lora_adapter_grads(
     mask of x's columns shifted by ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked
     by the caller, which passes a ``site`` bound to this operand layout (filled here at its first call)."""
     want_a, want_b = x is not None, dy is not None
-    # A gradient not wanted gets zero columns and borrows the other's tensors (its programs never run).
-    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
-    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora)
     M, R = g_a.shape
-    F_A = feat_a.shape[1] if want_a else 0
-    F_B = feat_b.shape[1] if want_b else 0
+    F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
     dev, dtype = feat_a.device, feat_a.dtype
-    dA = torch.empty((R, F_A), device=dev, dtype=dtype) if want_a else None
-    dB = torch.empty((F_B, R), device=dev, dtype=dtype) if want_b else None
     if M == 0 or F_A + F_B == 0:
         return tuple(None if t is None else t.zero_() for t in (dA, dB))
-    out_a = dA if want_a else dB
-    out_b = dB if want_b else dA
     hit = site is not None and site.bound is not None
     if hit:
         split, partials, tma = site.info

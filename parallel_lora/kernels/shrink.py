@@ -124,6 +124,12 @@ _SPEC = KernelSpec(
 )
 
 
+def shrink_scale(scale: float, p: float, masked: bool) -> float:
+    """The factor ``c`` of ``S = c * drop(...)``: dropout zeroes the dropped elements and the kept ones are scaled
+    by ``1/(1-p)``, folded here into ``scale`` once (``masked``: a mask is applied by this launch)."""
+    return scale / (1.0 - p) if masked else scale
+
+
 def lora_shrink(
     x: torch.Tensor,
     u: torch.Tensor,
@@ -145,7 +151,7 @@ def lora_shrink(
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
+    c = shrink_scale(scale, p, drop_pre or drop_post)
     seed_lo, seed_hi = split_seed(seed)
     runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
     if site is not None and site.bound is not None:

@@ -38,7 +38,7 @@ from .configs import (
     sm_count,
 )
 from .gemm_tma import ensure_allocator, gemm_descriptors, k_loop, rank_term, store_tile, tile_coords
-from .shrink import shrink_rows
+from .shrink import shrink_rows, shrink_scale
 
 # The rank tiles the fused forward takes (larger ranks keep the separate shrink: a [BLOCK_M, R_PAD] fp32
 # producer tile beside the GEMM's registers would spill).
@@ -215,7 +215,7 @@ def lora_shrink_gemm(
     s_lora = torch.empty((M, R), device=dev, dtype=dtype)
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
     sync = stream_buffer(_SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
-    c = scale / (1.0 - p) if (drop_pre or drop_post) else scale
+    c = shrink_scale(scale, p, drop_pre or drop_post)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
     runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
