@@ -300,10 +300,43 @@ def test_split_on_gpu_is_a_function_of_the_shape_and_fills_the_device(monkeypatc
     assert rank_reduce.split_rows(2048, 8192, None) == (4, 512)
     assert rank_reduce.split_rows(100, 8192, None) == (1, 128)
     assert rank_reduce.split_rows(8192, 4096 + 14336, None) == (1, 8192)  # 144 tiles already fill it
+    # The fused backward caps an item's rows (its tail after the GEMM); a cap above the split changes nothing.
+    assert rank_reduce.split_rows(8192, 4096 + 14336, None, max_rows=2048) == (4, 2048)
+    assert rank_reduce.split_rows(2048, 8192, None, max_rows=2048) == (4, 512)
     for M, F in ((8192, 8192), (2048, 4096), (16384, 2048), (1000, 1024)):
         split, rows = rank_reduce.split_rows(M, F, None)
         assert split > 1 and rows % kconfigs.REDUCE_M_ALIGN_GPU == 0 and (split - 1) * rows < M <= split * rows
         assert split * (F // 128) <= 264
+
+
+def test_fused_backward_splits_long_reductions_into_short_items(monkeypatch):
+    # Items no longer than dx_grads.ITEM_ROWS (here 32 rows, so 130 rows take 5 splits where the program
+    # target alone gives 2): the gradients still match the separate launches (another summation order, so
+    # to rounding) and repeat bit for bit, and the queue and arrival counters end at zero.
+    from parallel_lora.kernels import dx_grads, lora, rank_reduce
+
+    if not INTERPRETING:
+        pytest.skip("the interpreter's split sizes; the GPU tests cover the GPU's")
+    monkeypatch.setattr(dx_grads, "ITEM_ROWS", 32)
+    lora._BACKWARD_SITES.clear()  # a site bound by an earlier test would skip the split
+    seen = []
+    real_split = dx_grads.split_rows
+    monkeypatch.setattr(dx_grads, "split_rows", lambda *a, **k: seen.append(real_split(*a, **k)) or seen[-1])
+    x, weight, b, lora_A, lora_B, dy = make_inputs(130, 64, 48, 8, torch.bfloat16)
+    assert split_rows(130, 64 + 48, x.device)[0] == 2
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    fused = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
+    assert seen == [(5, 32)]
+    again = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
+    lora._BACKWARD_SITES.clear()
+    monkeypatch.setattr(lora, "_dx_takes_tma", lambda dy, weight: False)
+    separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
+    for name, a, c, d in zip(("dx", "dA", "dB"), fused, again, separate, strict=True):
+        assert torch.equal(a, c), name
+        torch.testing.assert_close(a.float(), d.float(), rtol=1e-2, atol=1e-2, msg=name)
+    for count in rank_reduce._COUNTERS.values():
+        assert not count.any(), "the queue or an arrival counter was left non-zero"
+    lora._BACKWARD_SITES.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -734,9 +767,12 @@ GPU_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("position", ["pre", "post", None])
-def test_gpu_bf16_llama_shape_matches_fp64(position):
+@pytest.mark.parametrize("N", [4096, 14336], ids=["attn", "mlp_up"])
+def test_gpu_bf16_llama_shape_matches_fp64(position, N):
+    # mlp_up: 144 adapter-gradient column tiles, whose M reductions the fused backward splits into
+    # dx_grads.ITEM_ROWS chunks (the program target alone would not split them).
     torch.manual_seed(0)
-    inputs = make_inputs(8192, 4096, 4096, 16, torch.bfloat16, device="cuda")
+    inputs = make_inputs(8192, 4096, N, 16, torch.bfloat16, device="cuda")
     drop = None if position is None else Dropout(p=0.1, seed=2**45 + 17, position=position, k_offset=4096)
     check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
 

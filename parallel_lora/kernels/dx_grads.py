@@ -105,6 +105,13 @@ _SPEC = KernelSpec(
 )
 
 
+# The longest M chunk of one reduction item. The items left when the GEMM programs finish their tiles run
+# on a busy memory system at ~25 GB/s per SM, so an item's size is the launch's tail: 128 columns of 8192
+# rows (2 MB, the split at 4096->14336, where 144 column tiles already fill the device) left ~80 us after the
+# GEMM; chunks of 2048 rows cut it to a quarter and still stream 16 row tiles per item.
+ITEM_ROWS = 2048
+
+
 def red_tiles(r_pad: int) -> tuple[int, int]:
     """``(RED_BLOCK_M, RED_STAGES)`` of the reductions. A program has a whole SM here (the GEMM's shared
     memory and no co-resident program), so it keeps ``RED_STAGES - 1`` feature tiles in flight to stream at a
@@ -148,7 +155,7 @@ def lora_dx_and_grads(
     if hit:
         split, partials = site.info
     else:
-        split, m_per_split = split_rows(M, F_A + F_B, dev)
+        split, m_per_split = split_rows(M, F_A + F_B, dev, max_rows=ITEM_ROWS)
         partials = split * (F_A + F_B) * pad_rank(R)
     ws = stream_buffer(_PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(_COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)

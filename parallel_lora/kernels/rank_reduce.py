@@ -195,13 +195,16 @@ def _num_programs_target(device: torch.device) -> int:
     return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def split_rows(M: int, F: int, device: torch.device) -> tuple[int, int]:
+def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None) -> tuple[int, int]:
     """``(split, m_per_split)`` for the M reduction over ``F`` feature columns in all: enough programs to fill
-    the device when ``F / BLOCK_F`` alone would not, each chunk a multiple of ``BLOCK_M``. A function of the
-    shape only, so repeated calls reduce in the same order (bitwise reproducible)."""
+    the device when ``F / BLOCK_F`` alone would not, and no chunk over ``max_rows`` rows when given, each chunk
+    a multiple of ``BLOCK_M``. A function of the shape only, so repeated calls reduce in the same order
+    (bitwise reproducible)."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
     f_tiles = cdiv(F, 32 if interpreting() else 128)
     split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
+    if max_rows is not None:
+        split = max(split, cdiv(M, max_rows))
     m_per_split = cdiv(cdiv(M, split), align) * align
     return cdiv(M, m_per_split), m_per_split
 
