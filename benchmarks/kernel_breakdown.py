@@ -185,7 +185,7 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         ),
         "shrink_gemm": (lambda: lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s), None),
         "shrink_gemm_drop": (
-            lambda: lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s, p=p, seed=1234, drop_pre=True),
+            lambda: lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s, p=p, seed=1234, drop_post=True),
             None,
         ),
         "dx_grads": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, S), None),

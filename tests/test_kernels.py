@@ -162,8 +162,25 @@ def test_multi_split_reduction_matches_eager_is_deterministic_and_resets_its_cou
         assert not count.any(), "arrival counters were left non-zero"
 
 
+def test_pre_dropout_forward_keeps_the_separate_masked_shrink(monkeypatch):
+    # The "pre" mask hashes every element of x: too much compute for the fused forward's spare SMs (GEMM tiles
+    # would wait for S), so that mode runs the masked shrink on every SM, then the GEMM.
+    from parallel_lora.kernels import lora
+
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    x, weight, b, lora_A, lora_B, _ = make_inputs(37, 64, 48, 8, torch.bfloat16)
+    launched = _count_launches(monkeypatch)
+    lora._FORWARD_SITES.clear()
+    for _ in range(2):  # the layout's first call and its bound site
+        kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
+    kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["post"])
+    assert launched == ["shrink", "gemm_tma", "shrink", "gemm_tma", "shrink_gemm"]
+    lora._FORWARD_SITES.clear()
+
+
 @pytest.mark.parametrize("shape", [(37, 64, 48), (64, 96, 80)], ids=["spare_programs", "tiles_claim"])
-@pytest.mark.parametrize("drop", list(DROPOUTS))
+@pytest.mark.parametrize("drop", ["none", "post"])
 def test_fused_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop, shape):
     # On the TMA path the forward's S and y are one launch. In the interpreter (3 programs, run one after
     # another) a problem of 4 tiles leaves one spare program, which produces every S row block first; one of 6
@@ -395,7 +412,7 @@ def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch,
         pytest.skip("no TMA before Hopper")
     taken = _gemm_paths(monkeypatch)
     inputs = make_inputs(70, K, N, 16, dtype)  # M = 70: a tail of rows in every tile size
-    check_against_eager(*inputs, SCALE, DROPOUTS["pre"])
+    check_against_eager(*inputs, SCALE, DROPOUTS["post"])  # "pre" keeps y's separate launches
     assert taken == (["fused_y", "fused_dx"] if tma else [])
 
 
@@ -1018,5 +1035,5 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     if op == "dx_grads":
         dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
     else:
-        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=1, drop_pre=True)
+        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=1, drop_post=True)
     assert checked

@@ -140,9 +140,9 @@ def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tma_operand(weight.t())
 
 
-def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
-    # Empty problems and large ranks stay on the separate launches.
-    if x.numel() == 0 or weight.numel() == 0 or pad_rank(lora_A.shape[0]) > MAX_FUSED_R_PAD:
+def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, mode: str | None) -> bool:
+    # Empty problems, large ranks and the "pre" mask (``shrink_gemm`` says why) stay on the separate launches.
+    if x.numel() == 0 or weight.numel() == 0 or pad_rank(lora_A.shape[0]) > MAX_FUSED_R_PAD or mode == "pre":
         return False
     return tma_compatible(x, _y_operand(weight)[0], weight.shape[0])
 
@@ -193,15 +193,15 @@ def forward(
         )
         # Whether the layout takes the fused launch, and how it reads W (``w_nk``; None: separate launches), are
         # the layout's: decided once and kept with its sites.
-        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_tma(x, weight, lora_A) else None)
+        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_tma(x, weight, lora_A, mode) else None)
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     w_nk = sites[2]
     if w_nk is not None:
         w = weight if w_nk else weight.t()
         y, s_lora = lora_shrink_gemm(
-            x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_pre=pre, drop_post=mode == "post",
-            k_offset=k_offset, **_drop_kwargs(drop), site=sites[0],
+            x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_post=mode == "post",
+            **_drop_kwargs(drop), site=sites[0],
         )  # fmt: skip
         if key is not None:
             _FORWARD_SITES[key] = sites

@@ -1,12 +1,17 @@
 """The forward's shrink and GEMM in one persistent launch (Hopper, TMA path):
 
-    S = c * drop_post(drop_pre(x) A^T)      [M, r]   on the GEMM's spare SMs (``shrink.shrink_rows``)
+    S = c * drop_post(x A^T)                [M, r]   on the GEMM's spare SMs (``shrink.shrink_rows``)
     y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (``gemm_tma``'s tile loop)
 
 As in ``dx_grads``: a persistent GEMM of ``T`` tiles on ``P`` SMs needs only ``ceil(T / ceil(T / P))`` programs
 for its ``ceil(T / P)`` waves (128 of the H200's 132 at 8192 x 4096 -> 4096), and the separate shrink cost
 ~28 us there. Here the spare programs produce S, one GEMM row block (``BLOCK_M`` rows) at a time, in the order
 the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
+
+No "pre" mask here: it hashes every element of x, compute the few spare SMs cannot keep up with, so GEMM tiles
+would wait for S (on the H200 a version with it took 1000 us against 412 without the mask at
+8192 x 4096 -> 4096, 3295 against 1407 at 14336 -> 4096); that mode keeps the separate masked shrink, on every
+SM, before the GEMM (``lora.forward``).
 
 Synchronization, per launch epoch ``e`` (read from the stream's sync buffer at the start): a row block's flag
 is *claimed* (``2e + 1``, compare-and-swap) by whichever program first produces it, then *published*
@@ -48,9 +53,9 @@ MAX_FUSED_R_PAD = 64
 @triton.jit
 def _produce(
     x_ptr, u_ptr, s_ptr, flag_ptr, seen, claimed, published, pid_m, M, K_RED, R, stride_xm, stride_uk,
-    stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE: tl.constexpr,
-    DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
+    stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK_K: tl.constexpr,
+    S_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Claim row block ``pid_m`` if it is unclaimed in this launch (its flag still reads ``seen``, from an earlier
     launch), and if so compute, store and publish its S rows."""
@@ -58,7 +63,7 @@ def _produce(
         if tl.atomic_cas(flag_ptr, seen, claimed, sem="relaxed", scope="gpu") == seen:
             acc = shrink_rows(
                 x_ptr, u_ptr, pid_m * BLOCK_M, M, K_RED, R, stride_xm, 1, stride_uk, stride_ur, s_scale, p, seed_lo,
-                seed_hi, k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                seed_hi, 0, False, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 True,
             )  # fmt: skip
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,7 +75,7 @@ def _produce(
             tl.atomic_xchg(flag_ptr, published, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _shrink_gemm_kernel(
     # pointers
     x_ptr,  # [M, K_RED]     unit inner stride
@@ -86,9 +91,9 @@ def _shrink_gemm_kernel(
     # strides
     stride_xm, stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
     # runtime scalars (changing them never recompiles)
-    s_scale, p, seed_lo, seed_hi, k_offset,
+    s_scale, p, seed_lo, seed_hi,
     # compile-time
-    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_PRE: tl.constexpr, DROP_POST: tl.constexpr,
+    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
@@ -114,8 +119,8 @@ def _shrink_gemm_kernel(
             seen = tl.atomic_add(flags + rb, 0, sem="relaxed", scope="gpu")
             _produce(
                 x_ptr, u_ptr, s_ptr, flags + rb, seen, claimed, published, rb, M, K_RED, R, stride_xm, stride_uk,
-                stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE, DROP_POST, R_PAD,
-                UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST, R_PAD, UPCAST,
+                DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
             )  # fmt: skip
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     else:
@@ -144,8 +149,8 @@ def _shrink_gemm_kernel(
                 seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
                 _produce(
                     x_ptr, u_ptr, s_ptr, flags + pid_m, seen, claimed, published, pid_m, M, K_RED, R, stride_xm,
-                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, k_offset, DROP_PRE,
-                    DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST, R_PAD,
+                    UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 )  # fmt: skip
                 # Claimed by a running program (maybe this one), which publishes without waiting on anything.
                 seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
@@ -198,13 +203,11 @@ def lora_shrink_gemm(
     *,
     p: float = 0.0,
     seed: int = 0,
-    k_offset: int = 0,
-    drop_pre: bool = False,
     drop_post: bool = False,
     site=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y [M, N], S [M, r])`` in ``x.dtype``: ``S = c * drop_post(drop_pre(x) @ u)`` with ``u = A^T [K, r]`` and
-    ``c = scale / (1 - p)`` if a mask is applied, else ``scale`` (as ``shrink.lora_shrink``), and
+    """``(y [M, N], S [M, r])`` in ``x.dtype``: ``S = c * drop_post(x @ u)`` with ``u = A^T [K, r]`` and
+    ``c = scale / (1 - p)`` with the "post" mask, else ``scale`` (as ``shrink.lora_shrink``), and
     ``y = x @ W^T (+ bias) + S @ f`` with ``f = B^T [r, N]``, in one launch. ``w`` is W as the TMA GEMM reads it
     (``[N, K]`` with ``w_nk``, else ``W^T [K, N]``); operands are checked by the caller, TMA-describable
     (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
@@ -215,10 +218,10 @@ def lora_shrink_gemm(
     s_lora = torch.empty((M, R), device=dev, dtype=dtype)
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
     sync = stream_buffer(_SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
-    c = shrink_scale(scale, p, drop_pre or drop_post)
+    c = shrink_scale(scale, p, drop_post)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
-    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
+    runtime = (float(c), float(p), seed_lo, seed_hi)
     if site is not None and site.bound is not None:
         if site.info[0]:  # on GPU: Triton's descriptor workspace
             ensure_allocator()
@@ -235,7 +238,6 @@ def lora_shrink_gemm(
         consts = {
             "W_NK": w_nk,
             "HAS_BIAS": bias is not None,
-            "DROP_PRE": drop_pre,
             "DROP_POST": drop_post,
             "FENCE": not interpreting(),  # the interpreter runs programs one after another
             "R_PAD": r_pad,
@@ -246,7 +248,7 @@ def lora_shrink_gemm(
         return static, lambda meta: (num_sms,), consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), u.shape,
-                 u.stride(), f.stride(), dtype, drop_pre, drop_post, num_sms)  # fmt: skip
+                 u.stride(), f.stride(), dtype, drop_post, num_sms)  # fmt: skip
     bound: Bound = launch(_SPEC, _shrink_gemm_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (not interpreting(),), bound
