@@ -14,7 +14,8 @@ For each ``M, K, N, r`` (bf16) it checks every kernel against torch first, then 
 - ``shrink_S`` / ``shrink_G``  ``S = s x A^T`` and ``G = s dy B`` (``_drop``: with the "pre" mask on x)
 - ``reduce_dB`` / ``reduce_dA`` ``dB = dy^T S`` and ``dA = G^T x`` (``_drop``: with the mask on x)
 - ``shrink_gemm``              S and y in one launch (S produced on the GEMM's spare SMs), with ``vs_cublas``
-                               against ``cublas_y`` (``_drop``: with the "pre" mask on x)
+                               against ``cublas_y`` (``_drop``: with the "post" mask on S; the op keeps
+                               "pre" on the separate launches)
 - ``dx_grads``                 dx, dA and dB in one launch (the reductions on the GEMM's spare SMs), with
                                ``vs_cublas`` against ``cublas_dx`` (``_drop``: with the "pre" masks)
 - ``forward`` / ``backward``   the whole op (``parallel_lora.kernels.forward`` / ``backward``; ``_separate``:

@@ -3,12 +3,15 @@
 On the H200 machines here a kernel's time depends on when it runs: a cool GPU ran 10-20% faster than one
 under load a minute later, and a kernel timed right after a slow, low-power one ran faster than elsewhere
 (benchmarks/NOTES.md, session 9). So the scripts time every case once per round, each round led by another
-case, and compare a case with its baseline round by round.
+case, and compare a case with its baseline round by round. ``interleaved_samples`` takes that to single calls:
+each sample of every case is taken next to a sample of each other case, so drift within a row reaches every
+case alike.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 
 def round_order(names: list[str], rnd: int) -> list[str]:
@@ -20,3 +23,28 @@ def round_order(names: list[str], rnd: int) -> list[str]:
 def ratio_over_rounds(times: list[float], base: list[float]) -> float:
     """The median over rounds of a case's time over its baseline's time in the same round."""
     return statistics.median(t / b for t, b in zip(times, base, strict=True))
+
+
+def interleaved_samples(cases: dict[str, Callable[[], object]], samples: int) -> dict[str, list[float]]:
+    """Milliseconds (CUDA events) of ``samples`` calls of every case, taken in turn: sample ``i`` of each case
+    runs next to sample ``i`` of the others, in ``round_order(names, i)``, each call after the same L2 flush as
+    ``triton.testing.do_bench`` (a 256 MB fill). Compare a case with its baseline sample by sample
+    (``ratio_over_rounds``). The cases are called once each first (tuning, compilation, allocator)."""
+    import torch
+
+    names = list(cases)
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    for case in cases.values():
+        case()
+    torch.cuda.synchronize()
+    events: dict[str, list] = {name: [] for name in names}
+    for i in range(samples):
+        for name in round_order(names, i):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            cases[name]()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: [start.elapsed_time(end) for start, end in pairs] for name, pairs in events.items()}
