@@ -3,9 +3,10 @@
 On the H200 machines here a kernel's time depends on when it runs: a cool GPU ran 10-20% faster than one
 under load a minute later, and a kernel timed right after a slow, low-power one ran faster than elsewhere
 (benchmarks/NOTES.md, session 9). So the scripts time every case once per round, each round led by another
-case, and compare a case with its baseline round by round. ``interleaved_samples`` takes that to single calls:
-each sample of every case is taken next to a sample of each other case, so drift within a row reaches every
-case alike.
+case, and compare a case with its baseline round by round. ``interleaved_samples`` takes that to single calls,
+with the same number of calls of every case (what multi-rank scripts need: every rank must issue the same
+collectives). Calls timed next to other cases' calls are not timed as in a block of their own: on the H200
+a cuBLAS GEMM ran 5-10% faster interleaved than in its own blocks (NOTES.md, session 12).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@
     python launch/bench_lora.py --out results.json   # where to write the JSON (default benchmarks/results/)
 
 For each shape ``M, K, N, r`` it first validates every implementation against an fp32 reference, then
-times them side by side (``benchmarks.rounds.interleaved_samples``: CUDA events, an L2 flush before each
-call, sample ``i`` of every implementation taken next to sample ``i`` of the others):
+times, with ``triton.testing.do_bench`` medians:
 
 - ``base``           ``F.linear(x, W)`` (the denominator of every ratio)
 - ``torch_eager``    PEFT-style eager: ``F.linear(x, W) + s * (drop(x) @ A^T) @ B^T``
@@ -22,11 +21,14 @@ backward. Prints a table and writes ``{"meta": ..., "rows": [...]}``.
 ``--graph`` captures each implementation's forward and its forward+backward in CUDA graphs and times the
 replays: the GPU time alone, as a step captured whole would run (short sequences are host-bound otherwise).
 
-Times are medians over ``--samples`` calls; a ratio is the median over samples of a call's time over the
-base's call in the same turn. On the H200 machines a GEMM's time drifts by 10-20% within a minute (clocks,
-temperature; benchmarks/NOTES.md), so only calls timed next to each other compare well: timing each
-implementation in a block of its own (``do_bench`` runs one after another, as this script did up to code
-``65053a2``) moved a ratio by +-5% between runs.
+``--rounds N`` times every implementation of a row N times in turn, each round led by another one, and
+reports medians over rounds; a ratio is the median over rounds of the time over the base's time of the same
+round (each round's times are kept in ``fwd_ms_rounds`` / ``fwdbwd_ms_rounds``).
+
+Each implementation is timed in a block of its own calls (its sustained speed). Sampling the implementations
+call by call in turn (``benchmarks.rounds.interleaved_samples``) was tried: on the same H200 and code it put
+the base 5-10% faster than its own blocks did (8192x4096->4096 fwd+bwd 0.761 against 0.839 ms) and ours
+1-2% faster, so every LoRA implementation's ratio rose by 0.05-0.15 (benchmarks/NOTES.md, session 12).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import interleaved_samples, ratio_over_rounds  # noqa: E402
+from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
 
 SHAPES = [
@@ -139,9 +141,9 @@ def graphed(fn):
     return graph.replay
 
 
-def steps(name, f, x, dy, A, B, graph=False):
-    """``(forward, forward+backward)`` of one implementation as calls without arguments (CUDA-graph replays
-    with ``graph``)."""
+def time_impl(name, f, x, dy, A, B, reps, graph=False):
+    from triton.testing import do_bench
+
     params = [] if name == "base" else _params(f, A, B)
     inputs = [x, *params]
 
@@ -153,21 +155,21 @@ def steps(name, f, x, dy, A, B, graph=False):
         y = f(x)
         return torch.autograd.grad(y, inputs, dy)
 
-    return (graphed(fwd), graphed(fwdbwd)) if graph else (fwd, fwdbwd)
-
-
-def held_mib(f, x):
-    """MiB held between forward and backward, beyond the output."""
+    if graph:
+        fwd, fwdbwd = graphed(fwd), graphed(fwdbwd)
+    fwd_ms = do_bench(fwd, warmup=25, rep=reps, return_mode="median")
+    fwdbwd_ms = do_bench(fwdbwd, warmup=25, rep=reps, return_mode="median")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     y = f(x)
     held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
     del y
-    return held / 2**20
+    return fwd_ms, fwdbwd_ms, held / 2**20
 
 
-def run(shapes, dropouts, adapter_dtypes, samples, impl_filter=None, save=None, graph=False):
-    """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows."""
+def run(shapes, dropouts, adapter_dtypes, reps, impl_filter=None, save=None, rounds=1, graph=False):
+    """Every row measured so far goes to ``save`` after each variant, so a run cut short keeps its rows.
+    ``rounds`` times every implementation of a row that many times, in turn, each round led by another."""
     rows = []
     for M, K, N, r in shapes:
         for adapter_dtype in adapter_dtypes:
@@ -181,10 +183,13 @@ def run(shapes, dropouts, adapter_dtypes, samples, impl_filter=None, save=None, 
                 else:
                     errs = {}
                 names = [n for n in impls if not impl_filter or n in impl_filter or n == "base"]
-                calls = {name: steps(name, impls[name], x, dy, A, B, graph) for name in names}
-                fwd = interleaved_samples({name: calls[name][0] for name in names}, samples)
-                fwdbwd = interleaved_samples({name: calls[name][1] for name in names}, samples)
-                held = {name: held_mib(impls[name], x) for name in names}  # after tuning's buffers exist
+                fwd, fwdbwd, held = ({n: [] for n in names} for _ in range(3))
+                for rnd in range(rounds):  # a fixed order would favour whichever is timed first
+                    for name in round_order(names, rnd):
+                        f_ms, fb_ms, held_mib = time_impl(name, impls[name], x, dy, A, B, reps, graph)
+                        fwd[name].append(f_ms)
+                        fwdbwd[name].append(fb_ms)
+                        held[name].append(held_mib)
                 for name in names:
                     rows.append({
                         "shape": [M, K, N, r], "impl": name, "dropout": p, "graph": graph,
@@ -192,12 +197,11 @@ def run(shapes, dropouts, adapter_dtypes, samples, impl_filter=None, save=None, 
                         "fwd_ms": statistics.median(fwd[name]), "fwdbwd_ms": statistics.median(fwdbwd[name]),
                         "fwd_ratio": ratio_over_rounds(fwd[name], fwd["base"]),
                         "fwdbwd_ratio": ratio_over_rounds(fwdbwd[name], fwdbwd["base"]),
-                        "held_mib": held[name], "rel_err": errs.get(name), "samples": samples,
-                        "fwd_ms_quartiles": statistics.quantiles(fwd[name], n=4),
-                        "fwdbwd_ms_quartiles": statistics.quantiles(fwdbwd[name], n=4),
+                        "held_mib": max(held[name]), "rel_err": errs.get(name),
+                        "fwd_ms_rounds": fwd[name], "fwdbwd_ms_rounds": fwdbwd[name],
                     })  # fmt: skip
                     print_row(rows[-1])
-                del impls, x, dy, calls
+                del impls, x, dy
                 torch.cuda.empty_cache()
                 if save is not None:
                     save(rows)
@@ -218,11 +222,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer variants")
     parser.add_argument("--shapes", default="", help="M,K,N,r tuples separated by ';' (default: DESIGN section 6)")
-    parser.add_argument("--samples", type=int, default=100, help="timed calls of each implementation per row")
+    parser.add_argument("--reps", type=int, default=200, help="ms of timed repetitions per measurement")
     parser.add_argument("--impls", default="", help="comma-separated subset of implementations")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
     parser.add_argument("--dropouts", default="0.0,0.1", help="comma-separated dropout probabilities")
     parser.add_argument("--adapter-dtypes", default="bfloat16,float32", help="comma-separated adapter dtypes")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per row (medians)")
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays of each step (GPU time alone, no host); dropout 0 only")
     args = parser.parse_args()
@@ -260,7 +265,7 @@ def main():
 
     if args.graph and any(p > 0 for p in dropouts):
         sys.exit("--graph: LoRA dropout cannot be captured (its seed is drawn per call); pass --dropouts 0.0")
-    run(shapes, dropouts, adapter_dtypes, args.samples, impl_filter, save=save, graph=args.graph)
+    run(shapes, dropouts, adapter_dtypes, args.reps, impl_filter, save=save, rounds=args.rounds, graph=args.graph)
     print(f"wrote {out}")
 
 
