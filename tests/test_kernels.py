@@ -486,6 +486,21 @@ def test_triton_mask_equals_keep_mask(position, k_offset, p, seed):
     assert abs(mask.float().mean().item() - (1 - p)) < 0.05
 
 
+def test_triton_mask_keeps_exactly_the_uniforms_at_or_above_p():
+    # The kernels test an integer threshold on the hash h, not u >= p: at p equal to a drawn uniform u (a
+    # multiple of 2**-24) that element is kept, also where h's low byte (below u's bits) is zero, and at p half
+    # a step above it (exact in fp32 below 0.5) it is dropped.
+    from parallel_lora.dropout import hash_bits
+
+    u = triton_hash_uniform(5, 64, 64, 0, DEVICE)
+    h = hash_bits(5, torch.arange(64, device=DEVICE).unsqueeze(1), torch.arange(64, device=DEVICE).unsqueeze(0))
+    picks = u[(u < 0.5) & (h % 256 == 0)][:3].tolist()
+    assert len(picks) == 3
+    for p in (*picks, *(v + 2**-25 for v in picks), 0.1, 2**-24, 1 - 2**-24, 0.0):
+        mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="post"), 64, 64, DEVICE)
+        assert torch.equal(mask, u >= torch.tensor(p, dtype=torch.float32)), p
+
+
 def test_shard_mask_is_a_slice_of_the_full_mask():
     full = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
     shard = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
