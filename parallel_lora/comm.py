@@ -178,7 +178,7 @@ def param_grad(grad: torch.Tensor, param: DTensor) -> DTensor:
     Where the local layouts agree (shape, stride, dtype: the kernels' fresh contiguous gradients), it is built
     on the parameter's own spec, as DTensor's ``to_local`` backward builds its gradients; ``from_local``
     derives a new spec instead, twice per backward on autograd's device thread: with it the TP layers' fwd+bwd
-    took 240-290 us of host time on the dev CPU, without it 154-175 (``benchmarks/python_overhead.py --tp``,
+    took 234-290 us of host time on the dev CPU, without it 154-175 (``benchmarks/python_overhead.py --tp``,
     launches stubbed; ``LoRALinear`` 105). Any other layout goes through ``from_local``."""
     local = param._local_tensor
     if grad.shape == local.shape and grad.stride() == local.stride() and grad.dtype == local.dtype:

@@ -640,14 +640,15 @@ def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
         y = layer(x)
         return (y.detach(), *torch.autograd.grad(y, [x, *params], dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    # Warm-up and capture on one stream, so the graph uses that stream's workspaces as they were.
+    capture_stream = torch.cuda.Stream()
+    capture_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(capture_stream):
         for _ in range(2):
             step()  # tune, compile and bind before capture
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(capture_stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream):
         captured = step()
     for scale in (1.0, -0.5):
         with torch.no_grad():
@@ -657,6 +658,22 @@ def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
         eager = step()
         for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
             assert torch.equal(a, b), name
+    # A larger layer called eagerly on the capture's own stream grows that stream's workspaces (the adapter
+    # gradients' arrival counters and partial sums); the graph keeps the ones it captured, which must stay
+    # allocated: small tensors allocated next would otherwise take their memory and be overwritten by replays.
+    wide = LoRALinear(4096, 4096, cfg, dtype=BF16, device="cuda")
+    longer = torch.randn(8192, 4096, device="cuda", dtype=BF16, requires_grad=True)
+    with torch.cuda.stream(capture_stream):
+        y_long = wide(longer)
+        torch.autograd.grad(y_long, [longer, wide.lora_A.weight, wide.lora_B.weight], torch.randn_like(y_long))
+        filler = [torch.full((n,), 7, device="cuda", dtype=torch.int32) for n in (1 << 10, 1 << 12, 1 << 14) * 16]
+    torch.cuda.current_stream().wait_stream(capture_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
+        assert torch.equal(a, b), f"{name} after the workspaces grew"
+    assert all(bool((f == 7).all()) for f in filler), "a replay wrote into memory the workspaces had freed"
     dropping = LoRALinear(1024, 768, LoRAConfig(r=16, alpha=32, dropout=0.1), dtype=BF16, device="cuda").train()
     with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         dropping(x)

@@ -308,6 +308,23 @@ def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else
     assert launched == ["reduce"]
 
 
+def test_a_grown_workspace_keeps_the_buffer_it_replaces_alive():
+    # A CUDA graph captured while the smaller buffer was current still uses its address: freeing it would let
+    # the caching allocator give that memory to another tensor, which each replay would then overwrite.
+    import weakref
+
+    from parallel_lora.kernels import _interp
+
+    cache, dev = {}, torch.device("cpu")
+    small = _interp.stream_buffer(cache, dev, 10, torch.int32, zeroed=True)
+    assert _interp.stream_buffer(cache, dev, 1000, torch.int32, zeroed=True) is small  # within its size
+    alive = weakref.ref(small)
+    del small
+    big = _interp.stream_buffer(cache, dev, 4096, torch.int32, zeroed=True)
+    assert big.numel() >= 4096 and not big.any() and cache[(dev, 0)] is big
+    assert alive() is not None and any(t is alive() for t in _interp._RETIRED)
+
+
 def test_split_on_gpu_is_a_function_of_the_shape_and_fills_the_device(monkeypatch):
     # On GPU the M reduction splits until the adapter gradients' column tiles (128 wide) times the splits
     # reach the program target; each split is a whole number of the largest BLOCK_M and the splits cover M.

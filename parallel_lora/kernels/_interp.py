@@ -59,18 +59,31 @@ def split_seed(seed: int) -> tuple[int, int]:
     return _as_int32(seed & _MASK32), _as_int32((seed >> 32) & _MASK32)
 
 
+# Workspaces replaced by larger ones stay allocated for the life of the process. A CUDA graph captured while
+# one was current replays with its address baked in: freed, the caching allocator could hand that memory to
+# another tensor, which every replay would then overwrite (counters, flags, descriptors), silently.
+_RETIRED: list[torch.Tensor] = []
+
+
+def grown(cache: dict, key: tuple, numel: int, make) -> torch.Tensor:
+    """``cache[key]`` if it holds at least ``numel`` elements, else a new ``make(numel)`` stored there; the
+    one it replaces is retired, never freed (see ``_RETIRED``)."""
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = cache[key] = make(numel)
+    return buf
+
+
 def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
     """A buffer of at least ``numel`` elements kept in ``cache`` per (device, current stream): kernels on one
     stream run one after another, so their workspaces (and counters each launch leaves at zero) can be
-    shared. Grown, never shrunk; a new one is zeroed when ``zeroed``."""
+    shared. Grown, never shrunk, never freed (``grown``); a new one is zeroed when ``zeroed``."""
     # Triton's raw-stream query: ``torch.cuda.current_stream`` builds a Stream object at every call.
     stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        make = torch.zeros if zeroed else torch.empty
-        buf = cache[key] = make(max(numel, 1 << 10), device=device, dtype=dtype)
-    return buf
+    make = torch.zeros if zeroed else torch.empty
+    return grown(cache, (device, stream), numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
 
 
 def pad_rank(r: int) -> int:

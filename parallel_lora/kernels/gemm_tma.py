@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank
+from ._interp import cdiv, dot_options, grown, interpreting, pad_rank
 from .configs import (
     GEMM_KEY,
     MAX_BLOCK_R,
@@ -284,12 +284,10 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # machine (the most on autograd's device thread), more than some of these kernels run for.
     if stream is None:
         return torch.empty(size, device="cuda", dtype=torch.int8)
+    # Allocated on the current stream, which is ``stream``: the caching allocator reuses it in order. A
+    # replaced one is kept (``_interp.grown``): a captured CUDA graph may still write descriptors there.
     key = (torch.cuda.current_device(), stream)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < size:
-        # Allocated on the current stream, which is ``stream``: the caching allocator reuses it in order.
-        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), device="cuda", dtype=torch.int8)
-    return buf
+    return grown(_SCRATCH, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
 
 
 def ensure_allocator() -> None:
