@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dropout import P_RANGE, valid_p
+
 INIT_A_CHOICES = ("kaiming", "xavier", "gaussian")
 DROPOUT_POSITIONS = ("pre", "post")
 BACKENDS = ("auto", "triton", "torch")
@@ -26,7 +28,7 @@ class LoRAConfig:
     """Scaling numerator: the update is multiplied by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
 
     dropout: float = 0.0
-    """Dropout probability on the LoRA branch only, in ``[0, 1)``."""
+    """Dropout probability on the LoRA branch only, in ``[0, 1 - 2**-25)`` (below 1 also in fp32)."""
 
     dropout_position: str = "pre"
     """``"pre"``: dropout on ``x`` before ``A`` (PEFT's convention). ``"post"``: on ``x A^T`` (the ``[M, r]``
@@ -56,8 +58,8 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.r must be an integer >= 1, got {self.r!r}")
         if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
             raise ValueError(f"LoRAConfig.alpha must be a number > 0, got {self.alpha!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not valid_p(self.dropout):
+            raise ValueError(f"LoRAConfig.dropout must be in {P_RANGE}, got {self.dropout!r}")
         if self.dropout_position not in DROPOUT_POSITIONS:
             raise ValueError(
                 f"LoRAConfig.dropout_position must be one of {DROPOUT_POSITIONS}, got {self.dropout_position!r}"

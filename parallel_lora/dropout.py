@@ -10,6 +10,7 @@ backends drop exactly the same elements, and a tensor-parallel shard that owns c
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,17 @@ class Dropout:
     @property
     def keep_scale(self) -> float:
         return 1.0 / (1.0 - self.p)
+
+
+# Dropout probabilities run in fp32 in the kernels and in the eager mask (``hash_uniform(...) >= p``). From
+# this bound a float rounds to 1.0 in fp32, where the mask would keep nothing while 1/(1-p) stays finite.
+P_LIMIT = 1.0 - 2.0**-25
+P_RANGE = "[0, 1 - 2**-25) (below 1 also in fp32)"
+
+
+def valid_p(p) -> bool:
+    """Whether ``p`` is a usable dropout probability: a real number in ``P_RANGE``."""
+    return isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p < P_LIMIT
 
 
 def _mul32(x, c: int):

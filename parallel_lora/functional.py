@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import eager
-from .dropout import Dropout, new_seed
+from .dropout import P_RANGE, Dropout, new_seed, valid_p
 from .dtypes import autocast_off, canonicalize, cast_to, compute_dtype
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -223,8 +223,8 @@ def lora_linear(
         ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
     """
     check_inputs(x, weight, bias, lora_A, lora_B, scale)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not valid_p(dropout_p):
+        raise ValueError(f"dropout_p must be in {P_RANGE}, got {dropout_p}")
     if dropout_position not in ("pre", "post"):
         raise ValueError(f"dropout_position must be 'pre' or 'post', got {dropout_position!r}")
     backend = resolve_backend(backend, x.device)

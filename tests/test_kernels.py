@@ -550,6 +550,8 @@ def _bad_forward_cases():
         "int_dtype": ((x.int(), w.int(), None, A.int(), B.int(), 1.0, None), "float32, float16 or bfloat16"),
         "scale_nan": ((x, w, b, A, B, float("nan"), None), "scale"),
         "p_one": ((x, w, b, A, B, 1.0, Dropout(p=1.0, seed=0)), "dropout.p"),
+        # Below 1 as a double but 1.0 in fp32, as the kernels take it: the mask would keep nothing.
+        "p_one_in_fp32": ((x, w, b, A, B, 1.0, Dropout(p=1 - 2**-26, seed=0)), "below 1 also in fp32"),
         "position": ((x, w, b, A, B, 1.0, Dropout(p=0.1, seed=0, position="mid")), "dropout.position"),
     }
 

@@ -106,9 +106,9 @@ _SPEC = KernelSpec(
 
 
 # The longest M chunk of one reduction item. The items left when the GEMM programs finish their tiles run
-# on a busy memory system at ~25 GB/s per SM, so an item's size is the launch's tail: 128 columns of 8192
-# rows (2 MB, the split at 4096->14336, where 144 column tiles already fill the device) left ~80 us after the
-# GEMM; chunks of 2048 rows cut it to a quarter and still stream 16 row tiles per item.
+# on a busy memory system, ~25 GB/s per SM, so an item's size sets the launch's tail: whole 8192-row columns
+# (2 MB, the split at 4096->14336, where 144 column tiles already fill the device) left ~46 us after the GEMM
+# on the H200; 2048-row chunks (16 row tiles per item) left ~12 (benchmarks/NOTES.md, session 12).
 ITEM_ROWS = 2048
 
 

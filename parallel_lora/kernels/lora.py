@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..dropout import Dropout
+from ..dropout import P_RANGE, Dropout, valid_p
 from ._interp import MAX_RANK, interpreting, pad_rank
 from .configs import Site
 from .dx_grads import lora_dx_and_grads
@@ -94,8 +94,8 @@ def _check_scalars(scale, dropout) -> None:
     if dropout is not None:
         if not isinstance(dropout, Dropout):
             raise ValueError(f"dropout must be a parallel_lora.dropout.Dropout or None, got {dropout!r}")
-        if not 0.0 <= dropout.p < 1.0:
-            raise ValueError(f"dropout.p must be in [0, 1), got {dropout.p}")
+        if not valid_p(dropout.p):
+            raise ValueError(f"dropout.p must be in {P_RANGE}, got {dropout.p}")
         if dropout.position not in ("pre", "post"):
             raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
         if dropout.k_offset < 0:
