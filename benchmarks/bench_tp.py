@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profile_op import host_ms  # noqa: E402  (benchmarks/ is this script's directory)
+from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
 
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear  # noqa: E402
 
@@ -114,10 +114,7 @@ def main():
     meta = {"date": dt.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "world_size": 1,
             "backend": "nccl", "command": "python " + " ".join(sys.argv)}  # fmt: skip
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        os.replace(tmp, out)
+        write_json(args.out, {"meta": meta, "rows": rows})
     dist.destroy_process_group()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
 from rounds import interleaved_samples, ratio_over_rounds  # noqa: E402  (benchmarks/ is this script's directory)
 
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, RowParallelLoRALinear  # noqa: E402
@@ -109,10 +109,7 @@ def main():
     if rank == 0 and args.out:
         meta = {"date": dt.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "world_size": world,
                 "backend": "nccl", "samples": args.samples, "command": " ".join(sys.argv)}  # fmt: skip
-        out = Path(args.out)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        os.replace(tmp, out)
+        write_json(args.out, {"meta": meta, "rows": rows})
     dist.destroy_process_group()
 
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import platform
 import statistics
 import sys
@@ -48,6 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
 
@@ -259,9 +258,7 @@ def main():
         from parallel_lora.kernels.configs import tuned_summary
 
         meta["tuned"] = tuned_summary()
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        os.replace(tmp, out)
+        write_json(out, {"meta": meta, "rows": rows})
 
     if args.graph and any(p > 0 for p in dropouts):
         sys.exit("--graph: LoRA dropout cannot be captured (its seed is drawn per call); pass --dropouts 0.0")
