@@ -91,7 +91,7 @@ def separate_launches(fn):
     launch sites of its own (the op's sites remember the choice per layout)."""
     fwd_sites, bwd_sites = {}, {}
 
-    names = ("_y_takes_tma", "_dx_takes_tma", "_FORWARD_SITES", "_BACKWARD_SITES")
+    names = ("_y_takes_fused", "_dx_takes_fused", "_FORWARD_SITES", "_BACKWARD_SITES")
     off = lambda *a: False  # noqa: E731
 
     def run():

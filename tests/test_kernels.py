@@ -206,7 +206,7 @@ def test_fused_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch,
     row_blocks = -(-M // kconfigs.INTERP_CONFIGS["shrink_gemm"]["BLOCK_M"])
     assert sync[3 : 3 + row_blocks].tolist() == [2 * epoch + 2] * row_blocks
     lora._FORWARD_SITES.clear()
-    monkeypatch.setattr(lora, "_y_takes_tma", lambda *args: False)
+    monkeypatch.setattr(lora, "_y_takes_fused", lambda *args: False)
     separate = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
     assert launched[2:] == ["shrink", "gemm_tma"]
     for name, a, c, d in zip(("y", "S"), fused, again, separate, strict=True):
@@ -238,7 +238,7 @@ def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch,
     fused = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched == ["shrink", "dx_grads"]
     lora._BACKWARD_SITES.clear()
-    monkeypatch.setattr(lora, "_dx_takes_tma", lambda dy, weight: False)
+    monkeypatch.setattr(lora, "_dx_takes_fused", lambda dy, weight: False)
     separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched[2:] == ["shrink", "gemm_tma", "reduce"]
     for name, a, c in zip(("dx", "dA", "dB"), fused, separate, strict=True):
@@ -364,7 +364,7 @@ def test_fused_backward_splits_long_reductions_into_short_items(monkeypatch):
     assert seen == [(5, 32)]
     again = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
     lora._BACKWARD_SITES.clear()
-    monkeypatch.setattr(lora, "_dx_takes_tma", lambda dy, weight: False)
+    monkeypatch.setattr(lora, "_dx_takes_fused", lambda dy, weight: False)
     separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
     for name, a, c, d in zip(("dx", "dA", "dB"), fused, again, separate, strict=True):
         assert torch.equal(a, c), name

@@ -140,7 +140,7 @@ def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tma_operand(weight.t())
 
 
-def _y_takes_tma(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, mode: str | None) -> bool:
+def _y_takes_fused(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, mode: str | None) -> bool:
     # Empty problems, large ranks and the "pre" mask (``shrink_gemm`` says why) stay on the separate launches.
     if x.numel() == 0 or weight.numel() == 0 or pad_rank(lora_A.shape[0]) > MAX_FUSED_R_PAD or mode == "pre":
         return False
@@ -152,7 +152,7 @@ def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return tma_operand(weight)
 
 
-def _dx_takes_tma(dy: torch.Tensor, weight: torch.Tensor) -> bool:
+def _dx_takes_fused(dy: torch.Tensor, weight: torch.Tensor) -> bool:
     # Empty problems stay on the separate launches, which return without launching.
     return dy.numel() > 0 and weight.numel() > 0 and tma_compatible(dy, _dx_operand(weight)[0], weight.shape[1])
 
@@ -193,7 +193,7 @@ def forward(
         )
         # Whether the layout takes the fused launch, and how it reads W (``w_nk``; None: separate launches), are
         # the layout's: decided once and kept with its sites.
-        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_tma(x, weight, lora_A, mode) else None)
+        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None)
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
     w_nk = sites[2]
@@ -264,7 +264,7 @@ def backward_unchecked(
     key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
-        fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_tma(dy, weight)
+        fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
         entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None)
     *sites, w_nk = entry
     dx = dA = dB = None
