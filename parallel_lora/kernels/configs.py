@@ -181,9 +181,7 @@ def shrink_configs() -> list[triton.Config]:
 
 
 def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # x's tiles through TMA add the stages' mbarriers (24-32 B past the buffers on sm_90, Triton 3.6).
-    barriers = ATOMIC_SLOT if consts.get("X_TMA") else 0
-    return stages * (cfg["BLOCK_M"] * cfg["BLOCK_K"] + cfg["BLOCK_K"] * consts["R_PAD"]) * elem + barriers
+    return stages * (cfg["BLOCK_M"] * cfg["BLOCK_K"] + cfg["BLOCK_K"] * consts["R_PAD"]) * elem
 
 
 def shrink_fits(cfg: dict, nargs: dict) -> bool:

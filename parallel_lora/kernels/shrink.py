@@ -18,10 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
+from ._interp import cdiv, dot_options, pad_rank, split_seed
 from .configs import KernelSpec, Site, launch, shrink_configs, shrink_fits, shrink_smem
 from .dropout_mask import keep_tile
-from .gemm_tma import ensure_allocator, tma_rows
 
 
 @triton.jit
@@ -100,14 +99,13 @@ def _lora_shrink_kernel(
     R_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    X_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     acc = shrink_rows(
         x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
-        k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, X_TMA,
+        k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
     )  # fmt: skip
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R_PAD)
@@ -160,17 +158,13 @@ def lora_shrink(
         site.bound.launch((x, u, out), runtime)
         return out
     K = x.shape[1]
-    x_tma = tma_rows(x)
-    if x_tma and not interpreting():
-        ensure_allocator()
 
     def build():
         static = (M, K, R, *x.stride(), *u.stride(), *out.stride())
-        consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype),
-                  "X_TMA": x_tma}  # fmt: skip
+        consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
-    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, drop_post, x_tma)
+    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, drop_post)
     bound = launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
     if site is not None:
         site.bound = bound
