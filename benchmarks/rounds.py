@@ -3,22 +3,29 @@
 On the H200 machines here a kernel's time depends on when it runs: a cool GPU ran 10-20% faster than one
 under load a minute later, and a kernel timed right after a slow, low-power one ran faster than elsewhere
 (benchmarks/NOTES.md, session 9). So the scripts time every case once per round, each round led by another
-case, and compare a case with its baseline round by round. ``interleaved_samples`` takes that to single calls,
-with the same number of calls of every case (what multi-rank scripts need: every rank must issue the same
-collectives). Calls timed next to other cases' calls are not timed as in a block of their own: on the H200
-a cuBLAS GEMM ran 5-10% faster interleaved than in its own blocks (NOTES.md, session 12).
+case and the rest in another order, and compare a case with its baseline round by round. ``interleaved_samples``
+takes that to single calls, with the same number of calls of every case (what multi-rank scripts need: every
+rank must issue the same collectives). Calls timed next to other cases' calls are not timed as in a block of
+their own: on the H200 a cuBLAS GEMM ran 5-10% faster interleaved than in its own blocks (NOTES.md, session 12).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 
 
 def round_order(names: list[str], rnd: int) -> list[str]:
-    """The cases of round ``rnd`` in the order to time them: ``names`` rotated to start at its ``rnd``-th."""
-    shift = rnd % len(names)
-    return names[shift:] + names[:shift]
+    """The cases of round ``rnd`` in the order to time them: led by ``names[rnd % len(names)]``, the others in
+    an order shuffled by ``rnd`` (seeded: the same for every run). A plain rotation kept every case behind the
+    same predecessor in every round, and a case timed after a slow, low-power one reads fast: that made one
+    GEMM config look 4-10% faster than cuBLAS in a config sweep, and no faster with the slow case left out
+    (benchmarks/NOTES.md, sessions 9 and 13)."""
+    lead = names[rnd % len(names)]
+    rest = [name for name in names if name != lead]
+    random.Random(rnd).shuffle(rest)
+    return [lead, *rest]
 
 
 def ratio_over_rounds(times: list[float], base: list[float]) -> float:
