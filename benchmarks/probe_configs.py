@@ -1,6 +1,14 @@
-"""Time the bandwidth-bound LoRA kernels config by config, the library's candidates and deeper pipelines (CUDA).
+"""Time kernels config by config: the library's candidates and a few more (needs CUDA).
 
     python benchmarks/probe_configs.py --shapes 8192,4096,4096,16 --rounds 3 --out probe_configs.json
+    python benchmarks/probe_configs.py --kinds gemm_y,gemm_dx     # the GEMM core alone (r = 0), with cuBLAS
+
+The GEMM core (``gemm_y`` / ``gemm_dx``: the TMA GEMM with a rank of zero, both orientations) is timed for
+every row of ``configs.gemm_tma_configs`` and the tile orders and K steps of ``GEMM_ROWS``, each against cuBLAS
+in the same round (``vs_cublas``). ``--configs`` keeps a subset. The first sweep here
+(``results/2026-12-04-probe-gemm-configs.json``) ran while rounds rotated one fixed order: GROUP_M = 4 always
+followed the slow 64x64 fallback and read 4-10% faster than the library's GROUP_M = 8; timed without it
+(``...-probe-gemm-groups.json``) it was no faster. ``rounds.round_order`` now shuffles each round.
 
 The G shrink (``G = s dy B``, its own launch before the fused dx launch) and the adapter-gradient reductions
 (``dA``, ``dB`` in one launch, the path off the fused launch) read their big operand once, so their time over
@@ -19,16 +27,21 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_spare import bench, bound_with, rel  # noqa: E402  (benchmarks/ is this script's directory)
 from report import write_json  # noqa: E402
-from rounds import round_order  # noqa: E402
+from rounds import ratio_over_rounds, round_order  # noqa: E402
 
-from parallel_lora.kernels import configs, rank_reduce, shrink  # noqa: E402
+from parallel_lora.kernels import configs, gemm_tma, rank_reduce, shrink  # noqa: E402
+from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps): the GEMM core's tile order and K step, around the library's.
+GEMM_ROWS = [(128, 256, 64, 8, 3, 8), (128, 256, 64, 16, 3, 8), (128, 256, 64, 32, 3, 8), (128, 256, 128, 8, 2, 8),
+             (256, 128, 64, 16, 3, 8), (256, 128, 128, 8, 2, 8)]
 # (BLOCK_M, BLOCK_K, stages, warps) and (BLOCK_F, BLOCK_M, stages, warps): deeper than the library's rows.
 EXTRA_SHRINK = [(16, 256, 5, 4), (32, 128, 6, 4), (32, 256, 4, 4), (64, 64, 8, 4), (64, 128, 5, 8), (32, 64, 8, 4)]
 EXTRA_REDUCE = [(128, 128, 4, 8), (128, 128, 5, 8), (128, 64, 6, 4), (64, 128, 6, 4), (256, 64, 4, 8)]
@@ -42,11 +55,16 @@ def reduce_config(bf, bm, stages, warps):
     return triton.Config({"BLOCK_F": bf, "BLOCK_M": bm}, num_stages=stages, num_warps=warps)
 
 
+def gemm_config(bm, bn, bk, group, stages, warps):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages,
+                         num_warps=warps)  # fmt: skip
+
+
 def label(cfg: triton.Config) -> str:
     return "x".join(str(v) for v in cfg.kwargs.values()) + f"s{cfg.num_stages}w{cfg.num_warps}"
 
 
-def run_shape(M, K, N, r, reps, rounds):
+def run_shape(M, K, N, r, reps, rounds, only=None, labels=None):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=dt)
@@ -55,16 +73,27 @@ def run_shape(M, K, N, r, reps, rounds):
     G = (dy.float() @ B.float()).to(dt)
     S = torch.randn(M, r, device=dev, dtype=dt)
     dA_ref, dB_ref = G.float().t() @ x.float(), dy.float().t() @ S.float()
-    cases, nbytes, errs = {}, {}, {}
+    W = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
+    S0, B0, A0 = (torch.empty(*size, device=dev, dtype=dt) for size in ((M, 0), (0, N), (0, K)))
+    y_ref, dx_ref = x.float() @ W.float().t(), dy.float() @ W.float()
+    cases, nbytes, errs = {"cublas_y": lambda: F.linear(x, W), "cublas_dx": lambda: dy @ W}, {}, {}
+    gemm_rows = [*gemm_tma.gemm_tma_configs(), *(gemm_config(*c) for c in GEMM_ROWS)]
     kinds = (
+        ("gemm_y", gemm_tma, gemm_rows, lambda site: lora_gemm(x, W.t(), None, S0, B0, site=site),
+         lambda y: rel(y, y_ref), None),
+        ("gemm_dx", gemm_tma, gemm_rows, lambda site: lora_gemm(dy, W, None, S0, A0, site=site),
+         lambda d: rel(d, dx_ref), None),
         ("shrink", shrink, [*shrink.shrink_configs(), *(shrink_config(*c) for c in EXTRA_SHRINK)],
          lambda site: shrink.lora_shrink(dy, B, 1.0, site=site), lambda g: rel(g, G), dy.numel() * 2),
         ("reduce", rank_reduce, [*rank_reduce.reduce_configs(), *(reduce_config(*c) for c in EXTRA_REDUCE)],
          lambda site: rank_reduce.lora_adapter_grads(x, G, dy, S, site=site),
          lambda out: max(rel(out[0], dA_ref), rel(out[1], dB_ref)), (x.numel() + dy.numel()) * 2),
     )  # fmt: skip
+    kinds = tuple(k for k in kinds if only is None or k[0] in only)
     for kind, module, candidates, call, check, size in kinds:
         for cfg in candidates:
+            if labels and label(cfg) not in labels:
+                continue
             name = f"{kind}_{label(cfg)}"
             spec = dataclasses.replace(module._SPEC, configs=lambda c=cfg: [c])
             # Fresh tuner and config caches: they are keyed by the kernel and sizes, not by the config list.
@@ -75,6 +104,8 @@ def run_shape(M, K, N, r, reps, rounds):
                 print(f"  {name}: not bound ({type(exc).__name__}: {str(exc)[:100]})")
                 continue
             cases[name], nbytes[name], errs[name] = fn, size, check(out)
+    if not any(k[0].startswith("gemm") for k in kinds):
+        del cases["cublas_y"], cases["cublas_dx"]
     for name, err in errs.items():
         if not err < 1e-2:
             print(f"  {name}: rel err {err:.3g}, dropped")
@@ -86,9 +117,15 @@ def run_shape(M, K, N, r, reps, rounds):
     rows = []
     for name in cases:
         ms = statistics.median(times[name])
-        rows.append({"shape": [M, K, N, r], "case": name, "ms": ms, "ms_rounds": times[name],
-                     "GB_per_s": nbytes[name] / ms / 1e6})  # fmt: skip
-        print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>24} {ms * 1e3:8.1f} us {rows[-1]['GB_per_s']:7.0f} GB/s", flush=True)
+        row = {"shape": [M, K, N, r], "case": name, "ms": ms, "ms_rounds": times[name]}
+        if nbytes.get(name):
+            row["GB_per_s"] = nbytes[name] / ms / 1e6
+        base = "cublas_y" if name.startswith("gemm_y") else "cublas_dx" if name.startswith("gemm_dx") else None
+        if base:
+            row["vs_cublas"] = ratio_over_rounds(times[name], times[base])
+        rows.append(row)
+        extra = f"{row['GB_per_s']:7.0f} GB/s" if "GB_per_s" in row else f"x{row['vs_cublas']:.3f}" if base else ""
+        print(f"{M:>5} {K:>5} {N:>5} {r:>4} {name:>28} {ms * 1e3:8.1f} us {extra}", flush=True)
     return rows
 
 
@@ -97,13 +134,17 @@ def main():
     parser.add_argument("--shapes", default="8192,4096,4096,16", help="M,K,N,r;M,K,N,r;...")
     parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per case")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all cases of a shape")
+    parser.add_argument("--kinds", default="", help="comma-separated subset of gemm_y, gemm_dx, shrink, reduce")
+    parser.add_argument("--configs", default="", help="comma-separated config labels to keep (e.g. 128x256x64x8s3w8)")
     parser.add_argument("--out", default="probe_configs.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_configs.py needs a CUDA GPU")
     rows = []
     for shape in args.shapes.split(";"):
-        rows += run_shape(*(int(v) for v in shape.split(",")), args.reps, args.rounds)
+        only = set(args.kinds.split(",")) if args.kinds else None
+        labels = set(args.configs.split(",")) if args.configs else None
+        rows += run_shape(*(int(v) for v in shape.split(",")), args.reps, args.rounds, only, labels)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "command": "python " + " ".join(sys.argv)}  # fmt: skip
     write_json(args.out, {"meta": meta, "rows": rows})
