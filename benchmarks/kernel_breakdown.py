@@ -37,8 +37,6 @@ comparisons across rows of one pass can mislead; rounds put the drift on every r
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -48,7 +46,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rounds import ratio_over_rounds, round_order  # noqa: E402  (benchmarks/ is this script's directory)
+from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
+from rounds import ratio_over_rounds, round_order  # noqa: E402
 
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
@@ -259,10 +258,7 @@ def main():
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "command": "python " + " ".join(sys.argv)}  # fmt: skip
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": rows, "checks": errs}, f, indent=1)
-    os.replace(tmp, args.out)
+    write_json(args.out, {"meta": meta, "rows": rows, "checks": errs})
     print(f"wrote {args.out}")
 
 
