@@ -47,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
-from rounds import ratio_over_rounds, round_order  # noqa: E402
+from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
@@ -202,10 +202,7 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
     }
     if only:
         cases = {name: case for name, case in cases.items() if name in only}
-    times = {name: [] for name in cases}
-    for rnd in range(rounds):
-        for name in round_order(list(cases), rnd):
-            times[name].append(bench(cases[name][0], reps))
+    times = time_in_rounds({name: fn for name, (fn, _) in cases.items()}, rounds, lambda fn: bench(fn, reps))
     # Again after the timed calls: a launch that left shared state (counters, a queue, flags) behind shows here.
     fused = (*lora_dx_and_grads(dy, W, False, G, A, x, S), *lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s))
     for n, t, ref in zip(("dx", "dA", "dB", "y", "S"), fused, (*refs, y_ref, S), strict=True):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probe_spare import bench, bound_with, rel  # noqa: E402  (benchmarks/ is this script's directory)
 from report import write_json  # noqa: E402
-from rounds import ratio_over_rounds, round_order  # noqa: E402
+from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import configs, gemm_tma, rank_reduce, shrink  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
@@ -110,10 +110,7 @@ def run_shape(M, K, N, r, reps, rounds, only=None, labels=None):
         if not err < 1e-2:
             print(f"  {name}: rel err {err:.3g}, dropped")
             del cases[name]
-    times = {name: [] for name in cases}
-    for rnd in range(rounds):
-        for name in round_order(list(cases), rnd):
-            times[name].append(bench(cases[name], reps))
+    times = time_in_rounds(cases, rounds, lambda fn: bench(fn, reps))
     rows = []
     for name in cases:
         ms = statistics.median(times[name])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from rounds import ratio_over_rounds, round_order  # benchmarks/ is this script's folder
+from rounds import ratio_over_rounds, time_in_rounds  # benchmarks/ is this script's folder
 from triton.testing import do_bench
 
 
@@ -173,13 +173,10 @@ def launch_checked(kernel, grid, args: tuple, kw: dict, out: torch.Tensor, ref: 
     return compiled
 
 
-def time_in_rounds(shape, cases: dict, rounds: int, reps: int) -> list[dict]:
+def rows_in_rounds(shape, cases: dict, rounds: int, reps: int) -> list[dict]:
     """Time every case once per round, each round led by another (``rounds.round_order``); one row per case
     with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round."""
-    times = {name: [] for name in cases}
-    for rnd in range(rounds):
-        for name in round_order(list(cases), rnd):
-            times[name].append(do_bench(cases[name], warmup=10, rep=reps, return_mode="median"))
+    times = time_in_rounds(cases, rounds, lambda fn: do_bench(fn, warmup=10, rep=reps, return_mode="median"))
     rows = []
     for name, ts in times.items():
         base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]

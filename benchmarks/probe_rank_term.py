@@ -38,7 +38,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     _tiles,
     launch_checked,
     orientations,
-    time_in_rounds,
+    rows_in_rounds,
 )
 
 
@@ -148,7 +148,7 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
                 if rank == 4:  # compiled and checked only: timing it would cool the GPU for the next variant
                     continue
                 cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
-        rows += time_in_rounds((M, K, N, r), cases, rounds, reps)
+        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps)
     return rows
 
 

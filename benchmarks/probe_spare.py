@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
-from rounds import ratio_over_rounds, round_order  # noqa: E402
+from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import configs, dx_grads  # noqa: E402
 from parallel_lora.kernels.configs import Site  # noqa: E402
@@ -117,10 +117,7 @@ def run_shape(M, K, N, r, reps, rounds):
     for name, err in checks.items():
         if not err < 1e-2:
             raise RuntimeError(f"{name} at {M},{K},{N},{r}: rel err {err:.3g}")
-    times = {name: [] for name in cases}
-    for rnd in range(rounds):
-        for name in round_order(list(cases), rnd):
-            times[name].append(bench(cases[name], reps))
+    times = time_in_rounds(cases, rounds, lambda fn: bench(fn, reps))
     rows = []
     for name in cases:
         ms = statistics.median(times[name])

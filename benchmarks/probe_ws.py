@@ -34,7 +34,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     _tiles,
     launch_checked,
     orientations,
-    time_in_rounds,
+    rows_in_rounds,
 )
 
 
@@ -108,7 +108,7 @@ def probe(shapes, rounds: int, reps: int):
                     print(f"{name}: warps {compiled.metadata.num_warps} regs {compiled.n_regs} spills "
                           f"{compiled.n_spills} smem {compiled.metadata.shared}", flush=True)  # fmt: skip
                     cases[name] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
-        rows += time_in_rounds((M, K, N, r), cases, rounds, reps)
+        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps)
     return rows
 
 

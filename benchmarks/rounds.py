@@ -28,6 +28,15 @@ def round_order(names: list[str], rnd: int) -> list[str]:
     return [lead, *rest]
 
 
+def time_in_rounds(cases: dict[str, Callable[[], object]], rounds: int, time_one: Callable[[Callable], float]):
+    """``{name: [ms per round]}``: every case timed once per round by ``time_one(case)``, in ``round_order``."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rnd in range(rounds):
+        for name in round_order(list(cases), rnd):
+            times[name].append(time_one(cases[name]))
+    return times
+
+
 def ratio_over_rounds(times: list[float], base: list[float]) -> float:
     """The median over rounds of a case's time over its baseline's time in the same round."""
     return statistics.median(t / b for t, b in zip(times, base, strict=True))
