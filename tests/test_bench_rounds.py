@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
+from benchmarks.rounds import ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
 
@@ -39,3 +39,12 @@ def test_ratio_is_the_median_of_per_round_ratios():
     # Round by round: a base that drifts between rounds does not move the ratio.
     assert ratio_over_rounds([2.0, 3.0, 10.0], [1.0, 1.0, 1.0]) == 3.0
     assert ratio_over_rounds([1.1, 2.2, 3.3], [1.0, 2.0, 3.0]) == pytest.approx(1.1)
+
+
+def test_time_in_rounds_times_each_case_once_per_round_in_round_order():
+    calls = []
+    cases = {name: (lambda n=name: n) for name in NAMES}
+    times = time_in_rounds(cases, 3, lambda case: calls.append(case()) or float(len(calls)))
+    assert calls == [name for rnd in range(3) for name in round_order(NAMES, rnd)]
+    assert all(len(ts) == 3 for ts in times.values())
+    assert times[calls[0]][0] == 1.0  # the first call of round 0 is its leader's first time
