@@ -1,4 +1,5 @@
-"""The benchmark scripts' timing order (``benchmarks/rounds.py``): how rounds interleave the cases."""
+"""The benchmark scripts' own logic: how rounds interleave the cases (``benchmarks/rounds.py``), and how
+``benchmarks/compile_check.py`` reads a kernel's SASS."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.compile_check import wgmma_loops  # noqa: E402
 from benchmarks.rounds import ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
@@ -48,3 +50,26 @@ def test_time_in_rounds_times_each_case_once_per_round_in_round_order():
     assert calls == [name for rnd in range(3) for name in round_order(NAMES, rnd)]
     assert all(len(ts) == 3 for ts in times.values())
     assert times[calls[0]][0] == 1.0  # the first call of round 0 is its leader's first time
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_7:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6+0x2f000], R4 ;
+        /*0020*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0030*/                   LOP3.LUT R2, R2, R3, RZ, 0x3c, !PT ;
+        /*0040*/                   IMAD R4, R4, R5, RZ ;
+        /*0050*/                   SHF.R.U32.HI R6, RZ, 0x10, R4 ;
+        /*0060*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR10], R24, gsb0 ;
+        /*0070*/               @P1 BRA `(.L_x_7) ;
+.L_x_8:
+        /*0080*/                   IADD3 R7, R7, 0x1, RZ ;
+        /*0090*/               @P2 BRA `(.L_x_8) ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_wgmma_loops_reports_the_integer_work_between_hgmma_issues():
+    # One loop issues two HGMMAs with three integer instructions between them (what delays the tensor cores);
+    # the other loop issues none and is not reported.
+    assert wgmma_loops(SASS) == [{"instructions": 7, "hgmma": 2, "integer": 3, "max_gap": 3}]
