@@ -20,15 +20,17 @@ def round_order(names: list[str], rnd: int) -> list[str]:
     """The cases of round ``rnd`` in the order to time them: led by ``names[rnd % len(names)]``, the others in
     an order shuffled by ``rnd`` (seeded: the same for every run). A plain rotation kept every case behind the
     same predecessor in every round, and a case timed after a slow, low-power one reads fast: that made one
-    GEMM config look 4-10% faster than cuBLAS in a config sweep, and no faster with the slow case left out
-    (benchmarks/NOTES.md, sessions 9 and 13)."""
+    GEMM config look up to 12% faster than the library's in a config sweep, and no faster with the slow case
+    left out (benchmarks/NOTES.md, sessions 9 and 13)."""
     lead = names[rnd % len(names)]
     rest = [name for name in names if name != lead]
     random.Random(rnd).shuffle(rest)
     return [lead, *rest]
 
 
-def time_in_rounds(cases: dict[str, Callable[[], object]], rounds: int, time_one: Callable[[Callable], float]):
+def time_in_rounds(
+    cases: dict[str, Callable[[], object]], rounds: int, time_one: Callable[[Callable], float]
+) -> dict[str, list[float]]:
     """``{name: [ms per round]}``: every case timed once per round by ``time_one(case)``, in ``round_order``."""
     times: dict[str, list[float]] = {name: [] for name in cases}
     for rnd in range(rounds):
