@@ -123,7 +123,9 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
     return totals
 
 
-def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
+def problem(M: int, K: int, N: int, r: int) -> tuple[torch.Tensor, ...]:
+    """``(x [M, K], W [N, K], A [r, K], B [N, r], dy [M, N])``, bf16 on the GPU, seeded: the inputs every
+    breakdown and probe of one shape times."""
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(M, K, device=dev, dtype=dt)
@@ -131,6 +133,12 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
     A = torch.randn(r, K, device=dev, dtype=dt) / K**0.5
     B = torch.randn(N, r, device=dev, dtype=dt) / r**0.5
     dy = torch.randn(M, N, device=dev, dtype=dt)
+    return x, W, A, B, dy
+
+
+def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
+    dev, dt = "cuda", torch.bfloat16
+    x, W, A, B, dy = problem(M, K, N, r)
     s = 2.0
     drop = Dropout(p=0.1, seed=1234, position="pre", k_offset=0)
     S = lora_shrink(x, A.t(), s)

@@ -32,7 +32,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from probe_spare import bench, bound_with, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import bench, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from probe_spare import bound_with  # noqa: E402
 from report import write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 

@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from report import write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import configs, dx_grads  # noqa: E402
@@ -43,16 +44,6 @@ from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
 
 RED_VARIANTS = [(128, 6), (64, 10), (256, 3), (64, 6)]
 ITEM_VARIANTS = [1024, 4096]
-
-
-def bench(fn, reps: int) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=reps, return_mode="median")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def bound_with(patches: list[tuple[object, str, object]], call):
@@ -73,13 +64,8 @@ def bound_with(patches: list[tuple[object, str, object]], call):
 
 
 def run_shape(M, K, N, r, reps, rounds):
-    dev, dt = "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    x = torch.randn(M, K, device=dev, dtype=dt)
-    W = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
-    A = torch.randn(r, K, device=dev, dtype=dt) / K**0.5
-    B = torch.randn(N, r, device=dev, dtype=dt) / r**0.5
-    dy = torch.randn(M, N, device=dev, dtype=dt)
+    dt = torch.bfloat16
+    x, W, A, B, dy = problem(M, K, N, r)
     s = 2.0
     G = (s * dy.float() @ B.float()).to(dt)
     S = (s * x.float() @ A.float().t()).to(dt)
