@@ -32,8 +32,10 @@ def shrink_rows(
 ):  # fmt: skip
     """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
     ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``X_TMA``: x's tiles
-    through a TMA descriptor (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give),
-    which the compiler pipelines where it leaves masked pointer loads unpipelined (Triton 3.9, sm_90)."""
+    through a TMA descriptor (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as
+    the fused forward's producers read them. The masked pointer loads pipeline too once the strides specialize
+    on 16, as on a GPU launch (``benchmarks/compile_check.py``); the standalone launch through TMA was no faster
+    on the H200 (28.6 against 28.0 us at 8192 x 4096, benchmarks/NOTES.md, session 13)."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, R_PAD)
