@@ -107,15 +107,17 @@ def _tool(name: str) -> str:
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
-    """``(registers per thread, local memory bytes per thread)`` of the cubin's kernel (``cuobjdump -res-usage``;
-    local memory is where spilled registers go)."""
+    """``(registers per thread, local memory bytes per thread)`` of the cubin's kernel (``cuobjdump -res-usage``:
+    its ``STACK`` frame, where spilled registers go, plus any ``LOCAL`` arrays; a first version read ``LOCAL``
+    alone, which stays 0 with spills)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                              check=True).stdout  # fmt: skip
-    regs, local = re.search(r"REG:(\d+)", out), re.search(r"LOCAL:(\d+)", out)
-    return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else 0
+    regs = re.search(r"REG:(\d+)", out)
+    local = sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", out))
+    return int(regs.group(1)) if regs else -1, local
 
 
 def sass_of(cubin: bytes) -> str:
