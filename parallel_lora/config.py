@@ -28,7 +28,7 @@ class LoRAConfig:
     """Scaling numerator: the update is multiplied by ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
 
     dropout: float = 0.0
-    """Dropout probability on the LoRA branch only, in ``[0, 1 - 2**-25)`` (below 1 also in fp32)."""
+    """Dropout probability on the LoRA branch only, in ``[0, 1 - 2**-16)`` (the mask's 16-bit uniforms)."""
 
     dropout_position: str = "pre"
     """``"pre"``: dropout on ``x`` before ``A`` (PEFT's convention). ``"post"``: on ``x A^T`` (the ``[M, r]``

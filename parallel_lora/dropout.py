@@ -2,9 +2,10 @@
 
 Nothing is stored between forward and backward: both passes regenerate the keep-mask from the seed.
 Element ``(m, k)`` of the mask (global row ``m``, global column ``k``) is kept when
-``hash_uniform(seed, m, k) >= p``, a cheap counter-based hash (see ``hash_uniform``). The eager path below and
-the Triton kernels (``parallel_lora.kernels.dropout_mask``) compute the same hash bit for bit, so the two
-backends drop exactly the same elements, and a tensor-parallel shard that owns columns
+``hash_uniform(seed, m, k) >= p``, a 16-bit uniform cut from a cheap counter-based hash (see
+``hash_uniform``): columns ``2j`` and ``2j + 1`` of a row share one 32-bit hash word, the low and the high half.
+The eager path below and the Triton kernels (``parallel_lora.kernels.dropout_mask``) compute the same hash bit
+for bit, so the two backends drop exactly the same elements, and a tensor-parallel shard that owns columns
 ``[k_offset, k_offset + K_local)`` sees the matching slice of the full mask.
 """
 
@@ -43,10 +44,11 @@ class Dropout:
         return 1.0 / (1.0 - self.p)
 
 
-# Dropout probabilities run in fp32 in the kernels and in the eager mask (``hash_uniform(...) >= p``). From
-# this bound a float rounds to 1.0 in fp32, where the mask would keep nothing while 1/(1-p) stays finite.
-P_LIMIT = 1.0 - 2.0**-25
-P_RANGE = "[0, 1 - 2**-25) (below 1 also in fp32)"
+# The kernels keep an element when its 16-bit uniform ``v`` (``u = v * 2**-16``) reaches ``ceil(p * 2**16)``
+# (p in fp32), a threshold that must itself fit in 16 bits: p below ``1 - 2**-16`` (which fp32 represents
+# exactly, so a p below it never rounds past it).
+P_LIMIT = 1.0 - 2.0**-16
+P_RANGE = "[0, 1 - 2**-16)"
 
 
 def valid_p(p) -> bool:
@@ -91,35 +93,43 @@ def hash_keys(seed: int) -> tuple[int, int]:
     return k_row, k_col
 
 
-def hash_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """The 32-bit hash ``h(m, k) = fmix32(fmix32(m ^ k_row) + fmix32(k ^ k_col))`` (uint32 arithmetic, ``+``
-    mod 2**32) of broadcastable int64 index tensors, as int64 holding uint32 values.
+def hash_bits(seed: int, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash ``h(m, w) = fmix32(fmix32(m ^ k_row) + fmix32(w ^ k_col))`` (uint32 arithmetic, ``+``
+    mod 2**32) of broadcastable int64 index tensors (row ``m``, word ``w``), as int64 holding uint32 values.
+    Word ``w`` of a row holds the uniforms of columns ``2w`` and ``2w + 1`` (``hash_uniform``).
 
-    Cost: the row term is one hash per row and the column term one per column, so on an ``[M, N]`` tile only
-    the add and the outer fmix32 run per element (9 integer ops, plus the ``>> 8`` of ``hash_uniform``).
+    Cost: the row term is one hash per row and the word term one per word, so on an ``[M, N]`` tile only the
+    add and the outer fmix32 run per word, i.e. per two elements (9 integer ops), plus each element's keep
+    test on its half.
 
-    Quality: ``fmix32(m ^ k_row)`` and ``fmix32(k ^ k_col)`` are keyed bijections with full avalanche, so
-    neighbouring rows (columns) get unrelated 32-bit words, with no period along either axis; the outer
-    fmix32 (a bijection) then avalanches their sum, which breaks the additive structure ``R[m] + C[k]``:
-    pairs of rows (columns) are uncorrelated and the top bits are uniform (checked in tests/test_dropout.py:
-    keep rate, row/column pair agreement, lags, periodicity, seed sensitivity). Keying both terms through
-    ``hash_keys`` means two seeds give unrelated masks, not index-permuted copies of each other (which a raw
-    ``k ^ seed_lo`` would give: seeds 0 and 1 would swap columns pairwise). Not a cryptographic or
-    crush-grade generator; ample for dropout masks.
+    Quality: ``fmix32(m ^ k_row)`` and ``fmix32(w ^ k_col)`` are keyed bijections with full avalanche, so
+    neighbouring rows (words) get unrelated 32-bit values, with no period along either axis; the outer
+    fmix32 (a bijection) then avalanches their sum, which breaks the additive structure ``R[m] + C[w]``:
+    pairs of rows (columns) are uncorrelated and both halves of a word are uniform and independent (checked
+    in tests/test_dropout.py: keep rate, row/column pair agreement, lags, periodicity, seed sensitivity).
+    Keying both terms through ``hash_keys`` means two seeds give unrelated masks, not index-permuted copies of
+    each other (which a raw ``w ^ seed_lo`` would give: seeds 0 and 1 would swap words pairwise). Not a
+    cryptographic or crush-grade generator; ample for dropout masks.
     """
     k_row, k_col = hash_keys(seed)
     r = fmix32((rows & _MASK32) ^ k_row)
-    c = fmix32((cols & _MASK32) ^ k_col)
+    c = fmix32((words & _MASK32) ^ k_col)
     return fmix32((r + c) & _MASK32)
 
 
 def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Uniform fp32 in [0, 1): ``u = (h >> 8) * 2**-24`` with ``h = hash_bits(seed, rows, cols)``.
+    """Uniform fp32 in [0, 1): ``u = v * 2**-16``, with ``v`` the low 16 bits of ``h(m, c >> 1)`` for an even
+    column ``c`` and the high 16 bits for an odd one (``h = hash_bits``, ``c`` taken mod 2**32).
 
     ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32). Every
-    value is a multiple of 2**-24 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
+    value is a multiple of 2**-16 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
+    Two uniforms per hash halve the kernels' integer work per element against a 24-bit uniform per hash
+    (benchmarks/NOTES.md, session 14); p then moves in steps of 2**-16 (the kept fraction is
+    ``1 - ceil(p * 2**16) * 2**-16``).
     """
-    return (hash_bits(seed, rows, cols) >> 8).to(torch.float32) * 2.0**-24
+    cols = cols & _MASK32
+    h = hash_bits(seed, rows, cols >> 1)
+    return ((h >> ((cols & 1) * 16)) & 0xFFFF).to(torch.float32) * 2.0**-16
 
 
 def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
@@ -128,7 +138,7 @@ def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str
     offset = dropout.k_offset if dropout.position == "pre" else 0
     m = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
     k = torch.arange(offset, offset + cols, device=device, dtype=torch.int64).unsqueeze(0)
-    return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/column
+    return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/word
 
 
 def new_seed() -> int:

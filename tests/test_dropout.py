@@ -68,14 +68,17 @@ def test_hash_matches_a_plain_integer_transcription():
     assert fmix32(torch.tensor([0, 1, M32])).tolist() == [_py_fmix32(v) for v in (0, 1, M32)]
 
 
-def test_uniform_is_the_top_24_bits_and_indices_wrap_mod_2_32():
+def test_uniform_is_its_columns_half_of_the_pairs_word_and_indices_wrap_mod_2_32():
     m = torch.arange(64).unsqueeze(1)
     k = torch.arange(100, 164).unsqueeze(0)
     u = hash_uniform(5, m, k)
     assert u.dtype == torch.float32 and u.shape == (64, 64)
-    assert torch.equal(u.double() * 2**24, (hash_bits(5, m, k) >> 8).double())
+    word = hash_bits(5, m, k >> 1)
+    half = torch.where(k % 2 == 0, word & 0xFFFF, word >> 16)
+    assert torch.equal(u.double() * 2**16, half.double())
     assert ((u >= 0) & (u < 1)).all()
     assert torch.equal(hash_uniform(5, m + 2**32, k - 2**32 * 3), u)
+    assert _py_hash(5, 3, 60) >> 16 == int(u[3, 21] * 2**16)  # column 121: the high half of word 60
 
 
 def test_keep_mask_shards_are_slices_and_post_ignores_k_offset():
@@ -106,6 +109,20 @@ def test_uniforms_and_2x2_patterns_are_uniform(seed):
     counts = torch.bincount(bits @ torch.tensor([1, 2, 4, 8]), minlength=16).double()
     expected = bits.shape[0] / 16
     assert ((counts - expected) ** 2 / expected).sum() < 15 + 6 * 5.5
+
+
+@pytest.mark.parametrize("seed", [0, 2**32 + 1])
+def test_the_two_halves_of_a_word_are_independent(seed):
+    """Columns ``2w`` and ``2w + 1`` come from one hash word: their uniforms' joint distribution, in 16 x 16
+    bins, is that of independent uniforms (chi-square with 255 dof, mean 255, sd 22.6)."""
+    u = hash_uniform(seed, torch.arange(ROWS).unsqueeze(1), torch.arange(COLS).unsqueeze(0))
+    lo, hi = (u[:, 0::2] * 16).long().flatten(), (u[:, 1::2] * 16).long().flatten()
+    counts = torch.bincount(lo * 16 + hi, minlength=256).double()
+    expected = lo.numel() / 256
+    assert ((counts - expected) ** 2 / expected).sum() < 255 + 6 * 22.6
+    # And at p = 0.1 the pair is dropped together as often as independent coins are (p^2).
+    mask = u < 0.1
+    _assert_rate((mask[:, 0::2] & mask[:, 1::2]).double().mean().item(), 0.01, lo.numel(), "both halves dropped")
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

@@ -110,6 +110,8 @@ DROPOUTS = {
     "none": None,
     # k_offset != 0: a row-parallel shard whose first input column is global column 5.
     "pre": Dropout(p=0.3, seed=123_456_789_012, position="pre", k_offset=5),
+    # An even offset: each pair of columns is one hash word (an odd one is compiled apart, drop_tile's ODD).
+    "pre_even": Dropout(p=0.3, seed=2**50 + 1, position="pre", k_offset=96),
     "post": Dropout(p=0.25, seed=77, position="post"),
 }
 
@@ -489,7 +491,7 @@ def test_triton_hash_uniform_is_bit_exact_with_torch(seed, rows, cols, offset):
     ref = torch_hash_uniform(seed, m, k)
     assert ref.shape == (rows, cols) and ref.dtype == torch.float32
     assert torch.equal(u, ref)
-    assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**24, (u * 2**24).floor())
+    assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**16, (u * 2**16).floor())
 
 
 @pytest.mark.parametrize("position,k_offset", [("pre", 0), ("pre", 37), ("post", 0), ("post", 37)])
@@ -504,18 +506,21 @@ def test_triton_mask_equals_keep_mask(position, k_offset, p, seed):
 
 
 def test_triton_mask_keeps_exactly_the_uniforms_at_or_above_p():
-    # The kernels test an integer threshold on the hash h, not u >= p: at p equal to a drawn uniform u (a
-    # multiple of 2**-24) that element is kept, also where h's low byte (below u's bits) is zero, and at p half
-    # a step above it (exact in fp32 below 0.5) it is dropped.
-    from parallel_lora.dropout import hash_bits
-
+    # The kernels test an integer threshold on each 16-bit half of the hash, not u >= p: at p equal to a drawn
+    # uniform u (a multiple of 2**-16) that element is kept, in either half of its word, and at p half a step
+    # above it (exact in fp32 below 0.5) it is dropped; at the largest p (1 - 2**-16) the shifted threshold must
+    # not overflow (only v = 2**16 - 1 is kept). Odd widths and offsets pair columns across tiles and words.
     u = triton_hash_uniform(5, 64, 64, 0, DEVICE)
-    h = hash_bits(5, torch.arange(64, device=DEVICE).unsqueeze(1), torch.arange(64, device=DEVICE).unsqueeze(0))
-    picks = u[(u < 0.5) & (h % 256 == 0)][:3].tolist()
-    assert len(picks) == 3
-    for p in (*picks, *(v + 2**-25 for v in picks), 0.1, 2**-24, 1 - 2**-24, 0.0):
-        mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="post"), 64, 64, DEVICE)
-        assert torch.equal(mask, u >= torch.tensor(p, dtype=torch.float32)), p
+    low = u[:, 0::2]
+    high = u[:, 1::2]
+    picks = [*low[low < 0.5][:2].tolist(), *high[high < 0.5][:2].tolist()]
+    for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16, 0.0):
+        for cols, offset in ((64, 0), (37, 5)):
+            mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
+            want = triton_hash_uniform(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
+            assert torch.equal(mask, want), (p, offset)
+            if p == picks[0]:
+                assert want.any() and not want.all()
 
 
 def test_shard_mask_is_a_slice_of_the_full_mask():
@@ -550,8 +555,8 @@ def _bad_forward_cases():
         "int_dtype": ((x.int(), w.int(), None, A.int(), B.int(), 1.0, None), "float32, float16 or bfloat16"),
         "scale_nan": ((x, w, b, A, B, float("nan"), None), "scale"),
         "p_one": ((x, w, b, A, B, 1.0, Dropout(p=1.0, seed=0)), "dropout.p"),
-        # Below 1 as a double but 1.0 in fp32, as the kernels take it: the mask would keep nothing.
-        "p_one_in_fp32": ((x, w, b, A, B, 1.0, Dropout(p=1 - 2**-26, seed=0)), "below 1 also in fp32"),
+        # Below 1, but its 16-bit keep threshold (2**16) would not fit the mask's uniforms.
+        "p_past_16_bits": ((x, w, b, A, B, 1.0, Dropout(p=1 - 2**-16, seed=0)), r"1 - 2\*\*-16\)"),
         "position": ((x, w, b, A, B, 1.0, Dropout(p=0.1, seed=0, position="mid")), "dropout.position"),
     }
 
@@ -747,11 +752,11 @@ def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):
                 b, layouts = _layouts(M, K, N, r, dtype, bias)
                 for x, weight, lora_A, lora_B, dy in layouts:
                     for drop in DROPOUTS.values():
-                        mode = lora._active(drop).position if lora._active(drop) else None
-                        key = lora.forward_key(x, weight, b, lora_A, lora_B, mode)
+                        mask = lora.mask_key(drop)
+                        key = lora.forward_key(x, weight, b, lora_A, lora_B, mask)
                         _, s_lora = check(key, kernels.forward, x, weight, b, lora_A, lora_B, SCALE, drop)
                         for needs in ((True, True, True), (False, True, True), (True, False, False)):
-                            key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
+                            key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask, *needs)
                             check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
     names = {name for launches in seen.values() for name, *_ in launches}
     assert names == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm"}

@@ -2,18 +2,20 @@
 
 Element ``(m, c)`` of a dropped tensor is kept iff ``u(m, c) >= p`` with (uint32 arithmetic)
 
-    h(m, c) = fmix32(fmix32(m ^ k_row) + fmix32(c ^ k_col)),    u(m, c) = (h >> 8) * 2**-24
+    h(m, w) = fmix32(fmix32(m ^ k_row) + fmix32(w ^ k_col)),    u(m, c) = half(h(m, c >> 1), c & 1) * 2**-16
 
-where ``fmix32`` is murmur3's finalizer, ``(k_row, k_col)`` are derived from the 64-bit seed once per program
-(``parallel_lora.dropout.hash_keys``), and ``c`` is the *global* column (``k_offset + k`` for "pre" on
-``x [M, K]``, ``j`` in ``[0, r)`` for "post" on ``x A^T [M, r]``). This is
-``parallel_lora.dropout.hash_uniform`` (the eager path), bit for bit. Masks are never stored: each kernel
-that needs one regenerates its tile from the seed.
+where ``half(h, 0)`` / ``half(h, 1)`` are the low / high 16 bits of ``h``, ``fmix32`` is murmur3's finalizer,
+``(k_row, k_col)`` are derived from the 64-bit seed once per program (``parallel_lora.dropout.hash_keys``), and
+``c`` is the *global* column (``k_offset + k`` for "pre" on ``x [M, K]``, ``j`` in ``[0, r)`` for "post" on
+``x A^T [M, r]``). This is ``parallel_lora.dropout.hash_uniform`` (the eager path), bit for bit. Masks are never
+stored: each kernel that needs one regenerates its tile from the seed (``drop_tile``).
 
-Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the column term once per column of
-the ``[1, BN]`` vector; per element of the ``[BM, BN]`` tile only the add, the outer fmix32 and the keep test
-run: 9 integer ops (add; 3 shifts, 3 xors, 2 multiplies) and one unsigned compare against a per-program
-threshold (``keep_tile``), against ~130 for a Philox-4x32-10 draw per element.
+Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the word term once per word of the
+``[1, BN / 2]`` vector; per word of the ``[BM, BN / 2]`` tile only the add and the outer fmix32 run (9 integer
+ops: add; 3 shifts, 3 xors, 2 multiplies), and per element a shift for the low half and one unsigned compare
+against a per-program threshold, against ~130 ops for a Philox-4x32-10 draw per element. Two elements per hash
+cut the masked dx tile's integer instructions from 2296 to 1408 per thread against one 24-bit uniform per hash
+(sm_90a SASS, ``benchmarks/compile_check.py``).
 """
 
 from __future__ import annotations
@@ -62,21 +64,42 @@ def hash_tile(seed_lo, seed_hi, rows, cols):
 
 @triton.jit
 def uniform_tile(seed_lo, seed_hi, rows, cols):
-    """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` x ``cols``: ``(h >> 8) * 2**-24`` (exact)."""
-    return (hash_tile(seed_lo, seed_hi, rows, cols) >> 8).to(tl.float32) * 5.9604644775390625e-08
+    """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` x ``cols``, one hash per element (for tests:
+    the kernels draw two elements per hash through ``drop_tile``): the half ``cols & 1`` of ``h(rows, cols >> 1)``
+    times ``2**-16`` (exact)."""
+    c = cols.to(tl.uint32)
+    h = hash_tile(seed_lo, seed_hi, rows, c >> 1)
+    return ((h >> ((c & 1) * 16)) & 0xFFFF).to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit
-def keep_tile(seed_lo, seed_hi, p, rows, cols):
-    """Boolean keep-mask tile: ``u(rows, cols) >= p``.
+def drop_tile(t, seed_lo, seed_hi, p, rows, first_col, ODD: tl.constexpr):
+    """``t [BM, BN]`` with its dropped elements zeroed: element ``(i, j)`` is row ``rows[i]`` (global, ``[BM]``)
+    and global column ``first_col + j``, kept iff ``u >= p``.
 
-    Evaluated in integers as ``h >= ceil(p * 2**24) * 2**8`` (unsigned), the same predicate exactly: ``u >= p``
-    is ``(h >> 8) >= p * 2**24`` (both sides exact in fp32), and for the integer ``h >> 8`` that is
-    ``(h >> 8) >= ceil(p * 2**24)``, i.e. ``h >= ceil(p * 2**24) << 8``; with ``p < 1`` the ceiling is at most
-    ``2**24 - 1``, so the shift cannot overflow. The threshold is scalar work, once per program; per element
-    this drops the shift and the int->float conversion (a quarter-rate instruction on Hopper) from the mask."""
-    threshold = tl.math.ceil(p * 16777216.0).to(tl.uint32) << 8
-    return hash_tile(seed_lo, seed_hi, rows, cols) >= threshold
+    The tile is split into its even and odd columns. With ``first_col`` even (every tile, unless a shard starts
+    on an odd column) each pair of columns is one hash word, its low and high half; with ``first_col`` odd
+    (``ODD``, given at compile time so that the even case carries no code for it: registers) the pair spans
+    two words, at two hashes per pair. The keep test runs in integers, ``v >= ceil(p * 2**16)`` on the 16-bit
+    uniform ``v``, the same predicate as ``u >= p`` (both sides exact in fp32); ``p < 1 - 2**-16`` keeps the
+    threshold within 16 bits, so the shifted threshold cannot overflow. Split, join and reshape only rename
+    registers where the tile keeps column pairs in one thread (the wgmma accumulator does; sm_90a SASS of the
+    dx GEMM shows no shared-memory traffic for them)."""
+    BM: tl.constexpr = t.shape[0]
+    BN: tl.constexpr = t.shape[1]
+    threshold = tl.math.ceil(p * 65536.0).to(tl.uint32) << 16
+    even, odd = tl.split(tl.reshape(t, (BM, BN // 2, 2)))
+    # The even local columns' global indices (int32 wrap-around is the "mod 2**32" of the eager mask).
+    cols = (first_col + 2 * tl.arange(0, BN // 2)).to(tl.uint32)
+    h = hash_tile(seed_lo, seed_hi, rows[:, None], (cols >> 1)[None, :])
+    if not ODD:
+        even = tl.where((h << 16) >= threshold, even, tl.zeros_like(even))  # column 2w: the word's low half
+        odd = tl.where(h >= threshold, odd, tl.zeros_like(odd))  # column 2w + 1: its high half
+    else:
+        even = tl.where(h >= threshold, even, tl.zeros_like(even))  # an odd global column: its word's high half
+        h = hash_tile(seed_lo, seed_hi, rows[:, None], ((cols >> 1) + 1)[None, :])
+        odd = tl.where((h << 16) >= threshold, odd, tl.zeros_like(odd))  # the next column: the next word's low
+    return tl.reshape(tl.join(even, odd), (BM, BN))
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "col_offset"])
@@ -91,6 +114,7 @@ def _lora_dropout_mask_kernel(
     seed_hi,
     col_offset,
     WRITE_UNIFORM: tl.constexpr,
+    ODD_OFFSET: tl.constexpr,  # col_offset is odd
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -101,9 +125,10 @@ def _lora_dropout_mask_kernel(
     if WRITE_UNIFORM:
         u = uniform_tile(seed_lo, seed_hi, offs_m[:, None], col_offset + offs_c[None, :])
         tl.store(ptrs, u, mask=in_bounds)
-    else:  # the kernels' own predicate, so tests of this mask cover keep_tile
-        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], col_offset + offs_c[None, :])
-        tl.store(ptrs, keep.to(tl.uint8), mask=in_bounds)
+    else:  # the kernels' own helper, so tests of this mask cover drop_tile (odd column offsets too)
+        keep = drop_tile(tl.full((BLOCK_M, BLOCK_C), 1, tl.uint8), seed_lo, seed_hi, p, offs_m,
+                         col_offset + tl.program_id(1) * BLOCK_C, ODD_OFFSET)  # fmt: skip
+        tl.store(ptrs, keep, mask=in_bounds)
 
 
 def _draw(seed: int, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
@@ -114,7 +139,7 @@ def _draw(seed: int, p: float, rows: int, cols: int, col_offset: int, device, un
     grid = (cdiv(rows, 32), cdiv(cols, 32))
     _lora_dropout_mask_kernel[grid](
         out, rows, cols, out.stride(0), out.stride(1), float(p), seed_lo, seed_hi, int(col_offset),
-        WRITE_UNIFORM=uniform, BLOCK_M=32, BLOCK_C=32,
+        WRITE_UNIFORM=uniform, ODD_OFFSET=col_offset % 2 == 1, BLOCK_M=32, BLOCK_C=32,
     )  # fmt: skip
     return out
 

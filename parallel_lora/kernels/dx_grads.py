@@ -56,7 +56,7 @@ def _dx_and_grads_kernel(
     # runtime scalars (changing them never recompiles)
     keep_scale, p, seed_lo, seed_hi, k_offset,
     # compile-time
-    W_NK: tl.constexpr, LORA_DROP: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    W_NK: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
@@ -71,7 +71,8 @@ def _dx_and_grads_kernel(
             dy_ptr, w_ptr, dx_ptr, g_ptr, a_ptr, dx_ptr, M, N_OUT, K_RED, R,
             stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm, 0,
             keep_scale, p, seed_lo, seed_hi, k_offset, pid, gemm_programs,
-            W_NK, False, LORA_DROP, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            W_NK, False, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            GROUP_M,
         )  # fmt: skip
 
     num_items = (tl.cdiv(F_A, RED_BLOCK_F) + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
@@ -82,8 +83,8 @@ def _dx_and_grads_kernel(
             item // num_splits, item % num_splits, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr,
             count_ptr, M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar,
             stride_oaf, stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr,
-            stride_ws, keep_scale, p, seed_lo, seed_hi, k_offset, LORA_DROP, A_TMA, B_TMA, R_PAD, UPCAST,
-            DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
+            stride_ws, keep_scale, p, seed_lo, seed_hi, k_offset, LORA_DROP, ODD_OFFSET, A_TMA, B_TMA, R_PAD,
+            UPCAST, DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
         )  # fmt: skip
         item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
     # Every program's last take from the queue comes before its release here; the last one to finish
@@ -168,6 +169,7 @@ def lora_dx_and_grads(
         site.bound.launch(tensors, runtime)
         return dx, dA, dB
     num_sms = 2 if interpreting() else sm_count(dev.index or 0)
+    odd = lora_drop and k_offset % 2 == 1
 
     def build():
         r_pad = pad_rank(R)
@@ -177,6 +179,7 @@ def lora_dx_and_grads(
         consts = {
             "W_NK": w_nk,
             "LORA_DROP": lora_drop,
+            "ODD_OFFSET": odd,
             "A_TMA": want_a and tma_rows(feat_a),
             "B_TMA": want_b and tma_rows(feat_b),
             "R_PAD": r_pad,
@@ -188,7 +191,7 @@ def lora_dx_and_grads(
 
     a_layout = want_a and (x.stride(), tma_rows(x))
     signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
-                 want_b and s_lora.stride(), dtype, lora_drop, num_sms)  # fmt: skip
+                 want_b and s_lora.stride(), dtype, lora_drop, odd, num_sms)  # fmt: skip
     bound: Bound = launch(_SPEC, _dx_and_grads_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (split, partials), bound

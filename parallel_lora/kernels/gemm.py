@@ -37,7 +37,7 @@ from .configs import (
     gemm_work,
     launch,
 )
-from .dropout_mask import keep_tile
+from .dropout_mask import drop_tile
 from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible, tma_operand
 
 
@@ -76,6 +76,7 @@ def _lora_gemm_kernel(
     # compile-time
     HAS_BIAS: tl.constexpr,
     LORA_DROP: tl.constexpr,
+    ODD_OFFSET: tl.constexpr,  # n_offset is odd
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -118,8 +119,7 @@ def _lora_gemm_kernel(
         s_ptrs += BLOCK_R * stride_sr
         f_ptrs += BLOCK_R * stride_fr
     if LORA_DROP:
-        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
-        acc = tl.where(keep, acc * keep_scale, 0.0)
+        acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
 
     # Base GEMM into the same accumulator.
     offs_k = tl.arange(0, BLOCK_K)
@@ -194,8 +194,9 @@ def lora_gemm(
     # for dx, or W = w.t() for y.
     w_tma, w_nk = tma_operand(w)
     use_tma = tma_compatible(x, w_tma, N_out)
+    odd = lora_drop and n_offset % 2 == 1
     if use_tma:
-        bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop)
+        bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop, odd_offset=odd)
     else:
 
         def build():
@@ -204,13 +205,14 @@ def lora_gemm(
             consts = {
                 "HAS_BIAS": bias is not None,
                 "LORA_DROP": lora_drop,
+                "ODD_OFFSET": odd,
                 "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
                 **dot_options(x.dtype),
             }
             return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
         signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
-                     s.stride(), f.stride(), x.dtype, lora_drop)  # fmt: skip
+                     s.stride(), f.stride(), x.dtype, lora_drop, odd)  # fmt: skip
         bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (use_tma and not interpreting(),), bound

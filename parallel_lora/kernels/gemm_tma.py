@@ -47,7 +47,7 @@ from .configs import (
     launch,
     sm_count,
 )
-from .dropout_mask import keep_tile
+from .dropout_mask import drop_tile
 
 
 @triton.jit
@@ -145,9 +145,9 @@ def gemm_tiles(
     x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
     stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
     keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
-    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
     persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch."""
@@ -169,8 +169,7 @@ def gemm_tiles(
             # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
-            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], n_offset + offs_n[None, :])
-            acc = tl.where(keep, acc * keep_scale, 0.0)
+            acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
         acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if not LORA_DROP:
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
@@ -212,6 +211,7 @@ def _lora_gemm_tma_kernel(
     W_NK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     LORA_DROP: tl.constexpr,
+    ODD_OFFSET: tl.constexpr,  # n_offset is odd
     R_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_SMS: tl.constexpr,
@@ -226,7 +226,8 @@ def _lora_gemm_tma_kernel(
         x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
         stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
         keep_scale, p, seed_lo, seed_hi, n_offset, tl.program_id(0), NUM_SMS,
-        W_NK, HAS_BIAS, LORA_DROP, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        W_NK, HAS_BIAS, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        GROUP_M,
     )  # fmt: skip
 
 
@@ -311,6 +312,7 @@ def lora_gemm_tma(
     runtime: tuple,
     *,
     lora_drop: bool,
+    odd_offset: bool,
 ) -> Bound:
     """Fill ``out [M, N_out]`` with ``x @ (w.T if w_nk else w) (+ bias) + drop(s @ f)``; operands checked by
     ``tma_compatible`` and the caller (``gemm.lora_gemm``), which also gives the launch's pointer arguments
@@ -330,6 +332,7 @@ def lora_gemm_tma(
             "W_NK": w_nk,
             "HAS_BIAS": bias is not None,
             "LORA_DROP": lora_drop,
+            "ODD_OFFSET": odd_offset,
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "NUM_SMS": num_sms,
@@ -343,5 +346,5 @@ def lora_gemm_tma(
         return static, grid, consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), s.shape,
-                 s.stride(), f.stride(), x.dtype, lora_drop, num_sms)  # fmt: skip
+                 s.stride(), f.stride(), x.dtype, lora_drop, odd_offset, num_sms)  # fmt: skip
     return launch(_SPEC, _lora_gemm_tma_kernel, signature, tensors, runtime, build)

@@ -116,18 +116,27 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16
 
 
-def forward_key(x, weight, bias, lora_A, lora_B, mode: str | None) -> tuple:
-    """The ``_FORWARD_SITES`` key: the devices, every operand's layout and the dropout position (or None)."""
-    return _device_key(x), _layout(x), _layout(weight), _layout(bias), _layout(lora_A), _layout(lora_B), mode
+def mask_key(dropout: Dropout | None) -> tuple | None:
+    """What of a call's dropout its launches are compiled for: the position, and for "pre" the parity of the
+    shard's ``k_offset`` (``dropout_mask.drop_tile``); None without an active mask."""
+    drop = _active(dropout)
+    if drop is None:
+        return None
+    return drop.position, drop.position == "pre" and drop.k_offset % 2 == 1
 
 
-def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode: str | None, *needs: bool) -> tuple:
+def forward_key(x, weight, bias, lora_A, lora_B, mask: tuple | None) -> tuple:
+    """The ``_FORWARD_SITES`` key: the devices, every operand's layout and the dropout's ``mask_key``."""
+    return _device_key(x), _layout(x), _layout(weight), _layout(bias), _layout(lora_A), _layout(lora_B), mask
+
+
+def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask: tuple | None, *needs: bool) -> tuple:
     """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
     layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
-    return _device_key(dy), *layouts, mode, *needs
+    return _device_key(dy), *layouts, mask, *needs
 
 
-# (operand layouts, dropout position, wanted grads) -> the op's launch sites, filled at the layout's first
+# (operand layouts, dropout mask_key, wanted grads) -> the op's launch sites, filled at the layout's first
 # call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
 # checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
 # machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
@@ -181,7 +190,7 @@ def forward(
     drop = _active(dropout)
     mode = None if drop is None else drop.position
     try:
-        key = forward_key(x, weight, bias, lora_A, lora_B, mode)
+        key = forward_key(x, weight, bias, lora_A, lora_B, mask_key(drop))
     except AttributeError:  # not a tensor: the checks say which
         key = None
     sites = _FORWARD_SITES.get(key)
@@ -261,7 +270,7 @@ def backward_unchecked(
     mode = None if drop is None else drop.position
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
-    key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mode, needs_dx, needs_dA, needs_dB)
+    key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask_key(drop), needs_dx, needs_dA, needs_dB)
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
         fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)

@@ -40,7 +40,7 @@ from .configs import (
     reduce_smem,
     sm_count,
 )
-from .dropout_mask import keep_tile
+from .dropout_mask import drop_tile
 from .gemm_tma import ensure_allocator, tma_rows
 
 
@@ -48,11 +48,12 @@ from .gemm_tma import ensure_allocator, tma_rows
 def reduce_tile(
     feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
     p, seed_lo, seed_hi, f_offset,
-    DROP_FEAT: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+    DROP_FEAT: tl.constexpr, ODD_OFFSET: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile; the M loop
-    in ``STAGES`` stages (None: the launch's ``num_stages``)."""
+    in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: ``f_offset`` is odd."""
     offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     offs_mb = tl.arange(0, BLOCK_M)
@@ -81,8 +82,7 @@ def reduce_tile(
             other=0.0,
         )
         if DROP_FEAT:
-            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], f_offset + offs_f[None, :])
-            ft = tl.where(keep, ft, tl.zeros_like(ft))
+            ft = drop_tile(ft, seed_lo, seed_hi, p, offs_m, f_offset + tile_f * BLOCK_F, ODD_OFFSET)
         if UPCAST:
             ft = ft.to(tl.float32)
             gt = gt.to(tl.float32)
@@ -125,8 +125,9 @@ def reduce_item(
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
     scale_a, p, seed_lo, seed_hi, f_offset,
-    DROP_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, STAGES: tl.constexpr,
+    DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """One work item: column tile ``tile`` (of x's tiles, then dy's) over M split ``pid_s``, reduced and
     finished (stored, or its partial added to the tile's split sum). Shared by this file's kernel (an item per
@@ -137,7 +138,8 @@ def reduce_item(
     if tile < tiles_a:
         acc = reduce_tile(
             fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
-            p, seed_lo, seed_hi, f_offset, DROP_A, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+            p, seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+            STAGES,
         )  # fmt: skip
         finish_tile(
             acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
@@ -147,7 +149,7 @@ def reduce_item(
         tile_b = tile - tiles_a
         acc = reduce_tile(
             fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
-            p, seed_lo, seed_hi, 0, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+            p, seed_lo, seed_hi, 0, False, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
         )  # fmt: skip
         finish_tile(
             acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
@@ -167,14 +169,15 @@ def _lora_adapter_grads_kernel(
     # runtime scalars (changing them never recompiles)
     scale_a, p, seed_lo, seed_hi, f_offset,
     # compile-time
-    DROP_A: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     reduce_item(
         tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
         M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf,
         stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, scale_a, p,
-        seed_lo, seed_hi, f_offset, DROP_A, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, None,
+        seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+        None,
     )  # fmt: skip
 
 
@@ -277,16 +280,19 @@ def lora_adapter_grads(
     if hit:
         site.bound.launch(tensors, runtime)
         return dA, dB
+    drop_a = drop_x and want_a
+    odd = drop_a and f_offset % 2 == 1
 
     def build():
         static = (M, F_A, F_B, R, m_per_split, split, *feat_a.stride(), *g_a.stride(), out_a.stride(1),
                   out_a.stride(0), *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
-        consts = {"DROP_A": drop_x and want_a, "A_TMA": a_tma, "B_TMA": b_tma, "R_PAD": r_pad, **dot_options(dtype)}
+        consts = {"DROP_A": drop_a, "ODD_OFFSET": odd, "A_TMA": a_tma, "B_TMA": b_tma, "R_PAD": r_pad,
+                  **dot_options(dtype)}  # fmt: skip
         return static, lambda meta: (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split), consts
 
     # The outputs are fresh and contiguous, so their strides follow from the sizes.
     signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(), dtype,
-                 drop_x and want_a, a_tma, b_tma, split > 1)  # fmt: skip
+                 drop_a, odd, a_tma, b_tma, split > 1)  # fmt: skip
     bound = launch(_SPEC, _lora_adapter_grads_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (split, partials, tma), bound

@@ -20,18 +20,19 @@ import triton.language as tl
 
 from ._interp import cdiv, dot_options, pad_rank, split_seed
 from .configs import KernelSpec, Site, launch, shrink_configs, shrink_fits, shrink_smem
-from .dropout_mask import keep_tile
+from .dropout_mask import drop_tile
 
 
 @triton.jit
 def shrink_rows(
     x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
-    k_offset, DROP_PRE: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    X_TMA: tl.constexpr,
+    k_offset, DROP_PRE: tl.constexpr, ODD_OFFSET: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, X_TMA: tl.constexpr,
 ):  # fmt: skip
     """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
-    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``X_TMA``: x's tiles
+    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: the
+    "pre" mask's ``k_offset`` is odd (``dropout_mask.drop_tile``). ``X_TMA``: x's tiles
     through a TMA descriptor (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as
     the fused forward's producers read them. The masked pointer loads pipeline too once the strides specialize
     on 16, as on a GPU launch (``benchmarks/compile_check.py``); the standalone launch through TMA was no faster
@@ -57,8 +58,7 @@ def shrink_rows(
             x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
         if DROP_PRE:
-            keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], k_offset + k0 + offs_k[None, :])
-            x = tl.where(keep, x, tl.zeros_like(x))
+            x = drop_tile(x, seed_lo, seed_hi, p, offs_m, k_offset + k0, ODD_OFFSET)
         if UPCAST:
             x = x.to(tl.float32)
             u = u.to(tl.float32)
@@ -67,8 +67,7 @@ def shrink_rows(
         u_ptrs += BLOCK_K * stride_uk
 
     if DROP_POST:
-        keep = keep_tile(seed_lo, seed_hi, p, offs_m[:, None], offs_r[None, :])
-        acc = tl.where(keep, acc, 0.0)
+        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
     return acc * out_scale
 
 
@@ -97,6 +96,7 @@ def _lora_shrink_kernel(
     k_offset,  # global column of x's first column (the shard's offset), for the "pre" mask
     # compile-time
     DROP_PRE: tl.constexpr,
+    ODD_OFFSET: tl.constexpr,  # k_offset is odd
     DROP_POST: tl.constexpr,
     R_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -107,7 +107,7 @@ def _lora_shrink_kernel(
     row0 = tl.program_id(0) * BLOCK_M
     acc = shrink_rows(
         x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
-        k_offset, DROP_PRE, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
+        k_offset, DROP_PRE, ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
     )  # fmt: skip
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, R_PAD)
@@ -160,13 +160,15 @@ def lora_shrink(
         site.bound.launch((x, u, out), runtime)
         return out
     K = x.shape[1]
+    odd = drop_pre and k_offset % 2 == 1
 
     def build():
         static = (M, K, R, *x.stride(), *u.stride(), *out.stride())
-        consts = {"DROP_PRE": drop_pre, "DROP_POST": drop_post, "R_PAD": pad_rank(R), **dot_options(x.dtype)}
+        consts = {"DROP_PRE": drop_pre, "ODD_OFFSET": odd, "DROP_POST": drop_post, "R_PAD": pad_rank(R),
+                  **dot_options(x.dtype)}  # fmt: skip
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
-    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, drop_post)
+    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, odd, drop_post)
     bound = launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
     if site is not None:
         site.bound = bound

@@ -63,7 +63,7 @@ def _produce(
         if tl.atomic_cas(flag_ptr, seen, claimed, sem="relaxed", scope="gpu") == seen:
             acc = shrink_rows(
                 x_ptr, u_ptr, pid_m * BLOCK_M, M, K_RED, R, stride_xm, 1, stride_uk, stride_ur, s_scale, p, seed_lo,
-                seed_hi, 0, False, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                seed_hi, 0, False, False, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 True,
             )  # fmt: skip
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
