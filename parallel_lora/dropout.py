@@ -123,7 +123,7 @@ def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
 
     ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32). Every
     value is a multiple of 2**-16 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
-    Two uniforms per hash halve the kernels' integer work per element against a 24-bit uniform per hash
+    Two uniforms per hash cut the kernels' integer work per element by ~40% against a 24-bit uniform per hash
     (benchmarks/NOTES.md, session 14); p then moves in steps of 2**-16 (the kept fraction is
     ``1 - ceil(p * 2**16) * 2**-16``).
     """
