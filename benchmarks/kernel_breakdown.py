@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
+from report import parse_shapes, run_meta, write_json  # noqa: E402  (benchmarks/ is this script's directory)
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora import kernels  # noqa: E402
@@ -250,7 +250,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_breakdown.py needs a CUDA GPU")
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'kernel':>16} {'time':>12} {'GB/s':>8} {'/cuBLAS':>7}")
     rows, errs = [], {}
     for shape in shapes:
@@ -259,11 +259,7 @@ def main():
         rows += shape_rows
         errs[",".join(map(str, shape))] = checks
         errs[",".join(map(str, shape)) + " configs"] = configs.tuned_summary()
-    import triton
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": "python " + " ".join(sys.argv)}  # fmt: skip
-    write_json(args.out, {"meta": meta, "rows": rows, "checks": errs})
+    write_json(args.out, {"meta": run_meta(), "rows": rows, "checks": errs})
     print(f"wrote {args.out}")
 
 

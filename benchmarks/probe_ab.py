@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_breakdown import SHAPES, bench, problem  # noqa: E402  (benchmarks/ is this script's directory)
-from report import write_json  # noqa: E402
+from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora import kernels  # noqa: E402
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per case and round")
     parser.add_argument("--out", default="probe_ab.json")
     args = parser.parse_args()
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     trees = {"old": load_tree(Path(args.old)), "new": (kernels, Dropout)}
     rows = []
     for shape in shapes:
@@ -89,8 +89,7 @@ def main():
             ratio = f"  new/old {row['new_over_old']:.3f}" if "new_over_old" in row else ""
             print(f"  {name:>18} " + " ".join(f"{t * 1e3:7.1f}" for t in ms) + f"  median {row['ms'] * 1e3:7.1f} us"
                   + ratio)  # fmt: skip
-    meta = {"gpu": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv)}
-    write_json(args.out, {"meta": meta, "rows": rows})
+    write_json(args.out, {"meta": run_meta(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_breakdown import bench, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
 from probe_spare import bound_with  # noqa: E402
-from report import write_json  # noqa: E402
+from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import configs, gemm_tma, rank_reduce, shrink  # noqa: E402
@@ -67,14 +67,10 @@ def label(cfg: triton.Config) -> str:
 
 def run_shape(M, K, N, r, reps, rounds, only=None, labels=None):
     dev, dt = "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    x = torch.randn(M, K, device=dev, dtype=dt)
-    dy = torch.randn(M, N, device=dev, dtype=dt)
-    B = torch.randn(N, r, device=dev, dtype=dt) / r**0.5
+    x, W, _, B, dy = problem(M, K, N, r)
     G = (dy.float() @ B.float()).to(dt)
     S = torch.randn(M, r, device=dev, dtype=dt)
     dA_ref, dB_ref = G.float().t() @ x.float(), dy.float().t() @ S.float()
-    W = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
     S0, B0, A0 = (torch.empty(*size, device=dev, dtype=dt) for size in ((M, 0), (0, N), (0, K)))
     y_ref, dx_ref = x.float() @ W.float().t(), dy.float() @ W.float()
     cases, nbytes, errs = {"cublas_y": lambda: F.linear(x, W), "cublas_dx": lambda: dy @ W}, {}, {}
@@ -139,13 +135,11 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("probe_configs.py needs a CUDA GPU")
     rows = []
-    for shape in args.shapes.split(";"):
-        only = set(args.kinds.split(",")) if args.kinds else None
-        labels = set(args.configs.split(",")) if args.configs else None
-        rows += run_shape(*(int(v) for v in shape.split(",")), args.reps, args.rounds, only, labels)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": "python " + " ".join(sys.argv)}  # fmt: skip
-    write_json(args.out, {"meta": meta, "rows": rows})
+    only = set(args.kinds.split(",")) if args.kinds else None
+    labels = set(args.configs.split(",")) if args.configs else None
+    for shape in parse_shapes(args.shapes):
+        rows += run_shape(*shape, args.reps, args.rounds, only, labels)
+    write_json(args.out, {"meta": run_meta(), "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -26,7 +26,6 @@ Both orientations: forward (``W_NK``: W read as [BN, BK] tiles, f = B [N, r]) an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -40,6 +39,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     orientations,
     rows_in_rounds,
 )
+from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
 
 
 @triton.jit
@@ -162,13 +162,8 @@ def main():
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
-    rows = probe(shapes, args.rounds, args.reps, args.ttgir)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "config": CONFIG}  # fmt: skip
-    with open(args.out + ".tmp", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    rows = probe(parse_shapes(args.shapes), args.rounds, args.reps, args.ttgir)
+    write_json(args.out, {"meta": run_meta(config=CONFIG), "rows": rows})
 
 
 if __name__ == "__main__":

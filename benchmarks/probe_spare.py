@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_breakdown import bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
-from report import write_json  # noqa: E402
+from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import configs, dx_grads  # noqa: E402
@@ -127,15 +127,11 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_spare.py needs a CUDA GPU")
-    import triton
-
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'case':>14} {'time':>12} {'over gemm_dx':>11}")
     rows = []
-    for shape in args.shapes.split(";"):
-        rows += run_shape(*(int(v) for v in shape.split(",")), args.reps, args.rounds)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": "python " + " ".join(sys.argv), "configs": configs.tuned_summary()}  # fmt: skip
-    write_json(args.out, {"meta": meta, "rows": rows})
+    for shape in parse_shapes(args.shapes):
+        rows += run_shape(*shape, args.reps, args.rounds)
+    write_json(args.out, {"meta": run_meta(configs=configs.tuned_summary()), "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import write_json  # noqa: E402
+from benchmarks.report import parse_shapes, write_json  # noqa: E402
 from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
 
@@ -252,7 +252,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.shapes:
-        shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")]
+        shapes = parse_shapes(args.shapes)
     dropouts = [0.0] if args.quick else [float(p) for p in args.dropouts.split(",")]
     adapter_dtypes = [torch.bfloat16] if args.quick else [getattr(torch, d) for d in args.adapter_dtypes.split(",")]
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'drop':>4} {'impl':>14} "

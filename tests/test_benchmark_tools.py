@@ -1,5 +1,5 @@
-"""The benchmark scripts' own logic: how rounds interleave the cases (``benchmarks/rounds.py``), and how
-``benchmarks/compile_check.py`` reads a kernel's SASS."""
+"""The benchmark scripts' own logic: how rounds interleave the cases (``benchmarks/rounds.py``), how shapes parse
+(``benchmarks/report.py``), and how ``benchmarks/compile_check.py`` reads a kernel's SASS."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.compile_check import wgmma_loops  # noqa: E402
+from benchmarks.report import parse_shapes  # noqa: E402
 from benchmarks.rounds import ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
@@ -50,6 +51,11 @@ def test_time_in_rounds_times_each_case_once_per_round_in_round_order():
     assert calls == [name for rnd in range(3) for name in round_order(NAMES, rnd)]
     assert all(len(ts) == 3 for ts in times.values())
     assert times[calls[0]][0] == 1.0  # the first call of round 0 is its leader's first time
+
+
+def test_shapes_parse_as_the_scripts_document_them():
+    assert parse_shapes("8192,4096,4096,16;2048,4096,14336,64") == [(8192, 4096, 4096, 16), (2048, 4096, 14336, 64)]
+    assert parse_shapes("1,2,3,4") == [(1, 2, 3, 4)]
 
 
 SASS = """
