@@ -13,7 +13,7 @@ room the GEMM leaves. This probe times, in interleaved rounds (``rounds.round_or
 
 - ``cublas_dx``, ``gemm_dx``   the baselines (the library's persistent TMA GEMM, rank term folded)
 - ``dx_grads``                 the library's fused launch (the reductions on the spare SMs)
-- ``reduce``                   the reductions alone, with configs that fit beside the GEMM (<= 44 KB)
+- ``reduce``                   the reductions alone, with configs that fit beside the GEMM (~40 KB at r = 16)
 - ``beside``                   ``gemm_dx`` on the current stream, ``reduce`` on a second one, joined
 
 Results are checked against torch first. ``--carveout 100`` asks the driver to configure every SM's unified
@@ -48,7 +48,8 @@ from parallel_lora.kernels.configs import Site  # noqa: E402
 from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 
-# (BLOCK_F, BLOCK_M, stages, warps) whose shared memory (configs.reduce_smem at R_PAD <= 64) stays near 44 KB.
+# (BLOCK_F, BLOCK_M, stages, warps) within ~40 KB of shared memory at R_PAD = 16 (configs.reduce_smem; more at
+# larger ranks), so that a block fits beside a 128x256 GEMM block (~180 KB) in an SM's 228 KB.
 SMALL_REDUCE = [(64, 64, 4, 4), (64, 64, 3, 4), (128, 64, 2, 4), (64, 128, 2, 4), (128, 32, 3, 4), (32, 64, 4, 4)]
 
 
