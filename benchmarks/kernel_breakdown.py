@@ -106,8 +106,9 @@ def separate_launches(fn):
     return run
 
 
-def kernel_times(fn, calls: int) -> dict[str, float]:
-    """GPU time (us per call) of each kernel that ``calls`` runs of ``fn`` launch, by torch.profiler."""
+def kernel_events(fn, calls: int) -> list:
+    """The GPU events (kernels, memsets) of ``calls`` runs of ``fn``, back to back, by torch.profiler (after
+    one run outside it: tuning, compilation)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -116,10 +117,14 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """GPU time (us per call) of each kernel that ``calls`` runs of ``fn`` launch, by torch.profiler."""
     totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
+    for event in kernel_events(fn, calls):
+        totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
     return totals
 
 

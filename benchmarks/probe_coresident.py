@@ -39,7 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_breakdown import bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import bench, kernel_events, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
 from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
@@ -153,14 +153,7 @@ def set_carveout(compiled, percent: int) -> None:
 def kernel_spans(fn) -> dict[str, tuple[float, float]]:
     """Start and end (us, from the first kernel's start) of every kernel one call of ``fn`` runs (torch.profiler):
     do two streams' kernels overlap?"""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = kernel_events(fn, 1)
     t0 = min(e.time_range.start for e in events)
     return {e.name: (e.time_range.start - t0, e.time_range.end - t0) for e in events}
 
