@@ -15,6 +15,9 @@ current tile drains and stores. Variants, timed in interleaved rounds against cu
                                tiles, the loads STAGES - 1 steps ahead of the wgmma, across tile boundaries
     {y,dx}_ws_rank{0,1}        Gluon, warp-specialized: a 1-warp partition issues every TMA load (and runs
                                ahead into the next tile by itself); the 8 default warps issue wgmma and store
+    {y,dx}_tws_rank{0,1}       Triton's own Hopper warp specialization (``probe_ws``: 2 stages with the rank)
+    {y,dx}_tflat_rank{0,1}     Triton with the tile and K loops flattened (``probe_gemm``, the rank term's
+                               tiles through TMA in the epilogue; forward only)
 
 With the rank term, each tile's ``s [BM, r]`` and ``f`` tiles come in through TMA with the tile's first stage
 into one extra buffer, and their wgmma goes first (``use_acc=False``), the K loop accumulating onto it: the
@@ -32,7 +35,13 @@ import argparse
 import torch
 import triton
 from kernel_breakdown import kernel_times  # benchmarks/ is this script's folder
-from probe_gemm import _alloc, launch_checked, orientations, rows_in_rounds  # benchmarks/ is this script's folder
+from probe_gemm import (  # benchmarks/ is this script's folder
+    _alloc,
+    _probe_gemm,
+    launch_checked,
+    orientations,
+    rows_in_rounds,
+)
 from probe_ws import TILES, _probe_ws  # benchmarks/ is this script's folder
 from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
 from triton.experimental import gluon
@@ -330,6 +339,17 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
                 args = (act, W, s, f, out, mm, nn_, kk, r)
                 if launch_checked(_probe_ws, grid, args, kw, out, ref, name) is not None:
                     cases[name] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
+                if "tws" in kinds:  # Triton's own Hopper warp specialization (probe_ws: 2 stages with the rank)
+                    name = f"{orient}_tws_rank{int(rank)}"
+                    kw = {**kw, "WS": True, "num_warps": 4, "num_stages": 2 if rank else 3}
+                    if launch_checked(_probe_ws, grid, args, kw, out, ref, name) is not None:
+                        cases[name] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
+                if "tflat" in kinds and (w_nk or not rank):  # Triton's flattened tile and K loops (probe_gemm)
+                    name = f"{orient}_tflat_rank{int(rank)}"
+                    kw = dict(LORA=3 if rank else 0, FLATTEN=True, SUBTILE=True, W_NK=w_nk, NUM_SMS=nsm, BR=max(16, r),
+                              num_warps=8, num_stages=3, **TILES)  # fmt: skip
+                    if launch_checked(_probe_gemm, grid, args, kw, out, ref, name) is not None:
+                        cases[name] = lambda g=grid, a=args, k=kw: _probe_gemm[g](*a, **k)
                 for kind, kernel in (("pipe", _gluon_pipe), ("ws", _gluon_ws)):
                     if kind not in kinds:
                         continue
@@ -357,7 +377,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--kinds", default="pipe,ws", help="Gluon variants: pipe, ws")
+    parser.add_argument("--kinds", default="pipe,ws", help="pipe, ws (Gluon); tws, tflat (Triton, warp-specialized"
+                        " or flattened loops)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="time N calls back to back by profiler, not do_bench")
     parser.add_argument("--out", default="probe_gluon.json")
     args = parser.parse_args()
