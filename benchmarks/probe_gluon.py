@@ -55,23 +55,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-
-@gluon.jit
-def _coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Grouped order, as ``gemm_tma.tile_coords``."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+from parallel_lora.kernels.gemm_tma import tile_coords  # the library's grouped order (Gluon calls @triton.jit)
 
 
 @gluon.jit
 def _step_coords(step, k_tiles, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
     """Step ``step`` of this program's flattened (tile, k) loop: its tile's (pid_m, pid_n) and its k index."""
     tile_id = gl.program_id(0) + (step // k_tiles) * NUM_SMS
-    pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
     return pid_m, pid_n, step % k_tiles
 
 
@@ -110,6 +101,19 @@ def _b_operand(buf, W_NK: gl.constexpr):
         return buf.permute((1, 0))
     else:
         return buf
+
+
+@gluon.jit
+def _open_tile(s_buf, f_buf, rank_ready, t, BM: gl.constexpr, BN: gl.constexpr, acc_layout: gl.constexpr,
+               RANK: gl.constexpr, W_NK: gl.constexpr):  # fmt: skip
+    """The program's ``t``-th tile's fp32 accumulator: zeros, or its rank term ``s_tile @ f_tile`` (the first
+    wgmma of the tile, once the rank tiles have landed on ``rank_ready``)."""
+    acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+    if RANK:
+        mbarrier.wait(rank_ready, t & 1)
+        acc = warpgroup_mma(s_buf, _b_operand(f_buf, W_NK), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # nothing else in flight: no wait, a tensor again
+    return acc
 
 
 @gluon.jit
@@ -156,7 +160,7 @@ def _gluon_pipe(
 
     num_pid_m, num_pid_n, k_tiles, total = _program_work(M, N, K, BM, BN, BK, NUM_SMS)
     tiles = total // k_tiles
-    pid_m, pid_n = _coords(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     for i in gl.static_range(STAGES - 1):  # (assumes k_tiles >= STAGES - 1)
         _issue_loads(pid_m, pid_n, i, i, i < total, x_desc, w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf,
                      ready, rank_ready, RANK, W_NK)  # fmt: skip
@@ -167,14 +171,10 @@ def _gluon_pipe(
     # in the K loop land between its wgmma (NOTES.md, session 13).
     step = 0
     for t in range(tiles):
-        next_m, next_n = _coords(gl.program_id(0) + (t + 1) * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
-        acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-        if RANK:
-            # The rank term opens the tile (its buffer is refilled only STAGES - 1 steps before the next tile,
-            # long after this wgmma has completed, as long as k_tiles >= STAGES).
-            mbarrier.wait(rank_ready, t & 1)
-            acc = warpgroup_mma(s_buf, _b_operand(f_buf, W_NK), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # nothing else in flight: no wait, a tensor again
+        next_m, next_n = tile_coords(gl.program_id(0) + (t + 1) * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
+        # (The rank buffer is refilled only STAGES - 1 steps before the next tile, long after the tile's rank
+        # wgmma has completed, as long as k_tiles >= STAGES.)
+        acc = _open_tile(s_buf, f_buf, rank_ready, t, BM, BN, acc_layout, RANK, W_NK)
         for kk in range(k_tiles):
             stage = step % STAGES
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
@@ -244,11 +244,7 @@ def _ws_mma(x_bufs, w_bufs, s_buf, f_buf, c_smem, ready, empty, rank_ready, rank
     step = 0
     for t in range(total // k_tiles):
         pid_m, pid_n, _ = _step_coords(step, k_tiles, num_pid_m, num_pid_n, GROUP_M, NUM_SMS)
-        acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-        if RANK:
-            mbarrier.wait(rank_ready, t & 1)
-            acc = warpgroup_mma(s_buf, _b_operand(f_buf, W_NK), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # nothing else in flight: no wait, a tensor again
+        acc = _open_tile(s_buf, f_buf, rank_ready, t, BM, BN, acc_layout, RANK, W_NK)
         for kk in range(k_tiles):
             stage = step % STAGES
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
