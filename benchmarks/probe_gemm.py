@@ -177,9 +177,11 @@ def rows_in_rounds(shape, cases: dict, rounds: int, reps: int, time_one=None) ->
     """Time every case once per round, each round led by another (``rounds.round_order``); one row per case
     with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round. ``time_one``
     (ms of one case) defaults to ``do_bench``'s median over ``reps`` ms, L2 flushed before each call."""
-    if time_one is None:
-        time_one = lambda fn: do_bench(fn, warmup=10, rep=reps, return_mode="median")  # noqa: E731
-    times = time_in_rounds(cases, rounds, time_one)
+
+    def flushed(fn) -> float:
+        return do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+    times = time_in_rounds(cases, rounds, time_one or flushed)
     rows = []
     for name, ts in times.items():
         base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]
