@@ -11,8 +11,8 @@ gluon``) schedules loads, wgmma and barriers by hand, so the next tile's first s
 current tile drains and stores. Variants, timed in interleaved rounds against cuBLAS of the same orientation:
 
     {y,dx}_triton_rank{0,1}    the Triton core as the library builds it (``probe_ws._probe_ws``, WS off)
-    {y,dx}_pipe_rank{0,1}      Gluon, one partition: the loop runs over (tile, k) steps of all the program's
-                               tiles, the loads STAGES - 1 steps ahead of the wgmma, across tile boundaries
+    {y,dx}_pipe_rank{0,1}      Gluon, one partition: tile and K loops nested, one step counter across them,
+                               the loads STAGES - 1 steps ahead of the wgmma, across tile boundaries
     {y,dx}_ws_rank{0,1}        Gluon, warp-specialized: a 1-warp partition issues every TMA load (and runs
                                ahead into the next tile by itself); the 8 default warps issue wgmma and store
     {y,dx}_tws_rank{0,1}       Triton's own Hopper warp specialization (``probe_ws``: 2 stages with the rank)
@@ -168,7 +168,8 @@ def _gluon_pipe(
     # Tile and K loops stay nested: a branch inside the loop that carries the in-flight accumulator makes ptxas
     # wait for every wgmma at the join (a flattened loop with the epilogue under `if` ran at 1.44x cuBLAS). The
     # loads' coordinates are selects between this tile and the next, computed once a tile: integer divisions
-    # in the K loop land between its wgmma (NOTES.md, session 13).
+    # in the K loop land between its wgmma (NOTES.md, session 13). The stage index still divides by STAGES
+    # here, as it did when the results were taken (counters did better in the fused forward: session 16).
     step = 0
     for t in range(tiles):
         next_m, next_n = tile_coords(gl.program_id(0) + (t + 1) * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
