@@ -13,6 +13,8 @@ current tile drains and stores. Variants, timed in interleaved rounds against cu
     {y,dx}_triton_rank{0,1}    the Triton core as the library builds it (``probe_ws._probe_ws``, WS off)
     {y,dx}_pipe_rank{0,1}      Gluon, one partition: tile and K loops nested, one step counter across them,
                                the loads STAGES - 1 steps ahead of the wgmma, across tile boundaries
+    {y,dx}_pipec_rank{0,1}     the same with the stage and phase as wrapping counters, no division in the K loop
+                               (what made the fused forward's loop uniform-datapath work: NOTES.md, session 16)
     {y,dx}_ws_rank{0,1}        Gluon, warp-specialized: a 1-warp partition issues every TMA load (and runs
                                ahead into the next tile by itself); the 8 default warps issue wgmma and store
     {y,dx}_tws_rank{0,1}       Triton's own Hopper warp specialization (``probe_ws``: 2 stages with the rank)
@@ -139,7 +141,7 @@ def _program_work(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
 @gluon.jit
 def _gluon_pipe(
     x_desc, w_desc, s_desc, f_desc, c_desc, M, N, K, RANK: gl.constexpr, W_NK: gl.constexpr, GROUP_M: gl.constexpr,
-    NUM_SMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    NUM_SMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, COUNTERS: gl.constexpr = False,
 ):  # fmt: skip
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -169,27 +171,39 @@ def _gluon_pipe(
     # wait for every wgmma at the join (a flattened loop with the epilogue under `if` ran at 1.44x cuBLAS). The
     # loads' coordinates are selects between this tile and the next, computed once a tile: integer divisions
     # in the K loop land between its wgmma (NOTES.md, session 13). The stage index still divides by STAGES
-    # here, as it did when the results were taken (counters did better in the fused forward: session 16).
+    # here unless COUNTERS (the "pipec" variant), as it did when the session-16 results were taken.
     step = 0
+    stage = 0  # with COUNTERS: the step's stage and barrier phase, wrapped by hand instead of divided out
+    phase = 0
     for t in range(tiles):
         next_m, next_n = tile_coords(gl.program_id(0) + (t + 1) * NUM_SMS, num_pid_m, num_pid_n, GROUP_M)
         # (The rank buffer is refilled only STAGES - 1 steps before the next tile, long after the tile's rank
         # wgmma has completed, as long as k_tiles >= STAGES.)
         acc = _open_tile(s_buf, f_buf, rank_ready, t, BM, BN, acc_layout, RANK, W_NK)
         for kk in range(k_tiles):
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            if not COUNTERS:
+                stage = step % STAGES
+                phase = (step // STAGES) & 1
+            mbarrier.wait(ready.index(stage), phase)
             acc = warpgroup_mma(x_bufs.index(stage), _b_operand(w_bufs.index(stage), W_NK), acc, is_async=True)
             # One wgmma left in flight: the previous step's stage is free for the load STAGES - 1 steps
             # ahead, which may belong to the next tile (its pipeline fills while this tile drains and stores).
             acc = warpgroup_mma_wait(1, deps=(acc,))
             ahead = kk + (STAGES - 1)
             nxt = ahead >= k_tiles
+            if COUNTERS:
+                load_stage = gl.where(stage == 0, STAGES - 1, stage - 1)
+            else:
+                load_stage = (step + STAGES - 1) % STAGES
             _issue_loads(gl.where(nxt, next_m, pid_m), gl.where(nxt, next_n, pid_n),
-                         gl.where(nxt, ahead - k_tiles, ahead), (step + STAGES - 1) % STAGES,
-                         step + (STAGES - 1) < total, x_desc, w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf,
-                         ready, rank_ready, RANK, W_NK)  # fmt: skip
+                         gl.where(nxt, ahead - k_tiles, ahead), load_stage, step + (STAGES - 1) < total, x_desc,
+                         w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf, ready, rank_ready, RANK,
+                         W_NK)  # fmt: skip
             step += 1
+            if COUNTERS:
+                wrap = stage == STAGES - 1
+                stage = gl.where(wrap, 0, stage + 1)
+                phase = gl.where(wrap, phase ^ 1, phase)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         _epilogue(acc, c_desc, c_smem, pid_m, pid_n)
         pid_m = next_m
@@ -347,13 +361,15 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
                               num_warps=8, num_stages=3, **TILES)  # fmt: skip
                     if launch_checked(_probe_gemm, grid, args, kw, out, ref, name) is not None:
                         cases[name] = lambda g=grid, a=args, k=kw: _probe_gemm[g](*a, **k)
-                for kind, kernel in (("pipe", _gluon_pipe), ("ws", _gluon_ws)):
+                for kind, kernel in (("pipe", _gluon_pipe), ("pipec", _gluon_pipe), ("ws", _gluon_ws)):
                     if kind not in kinds:
                         continue
                     name = f"{orient}_{kind}_rank{int(rank)}"
                     out = torch.full((mm, nn_), float("nan"), device="cuda", dtype=torch.bfloat16)
                     args = (*descriptors(act, W, s, f, out, w_nk, BM, BN, BK), mm, nn_, kk)
                     kw = dict(RANK=rank, W_NK=w_nk, GROUP_M=GROUP_M, NUM_SMS=nsm, STAGES=stages, num_warps=8)
+                    if kind == "pipec":
+                        kw["COUNTERS"] = True
                     if kind == "ws":
                         # 8 + 4 warps (the loader's warpgroup) share the register file: 168 a thread at launch,
                         # then the loader gives back to 40 and the wgmma warps grow to 232.
@@ -374,8 +390,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--kinds", default="pipe,ws", help="pipe, ws (Gluon); tws, tflat (Triton, warp-specialized"
-                        " or flattened loops)")  # fmt: skip
+    parser.add_argument("--kinds", default="pipe,ws", help="pipe, pipec, ws (Gluon); tws, tflat (Triton,"
+                        " warp-specialized or flattened loops)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="time N calls back to back by profiler, not do_bench")
     parser.add_argument("--out", default="probe_gluon.json")
     args = parser.parse_args()
