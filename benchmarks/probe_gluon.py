@@ -69,31 +69,46 @@ def _step_coords(step, k_tiles, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM
 
 
 @gluon.jit
-def _issue_loads(pid_m, pid_n, kk, stage, pred, x_desc, w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf, ready,
-                 rank_ready, RANK: gl.constexpr, W_NK: gl.constexpr):  # fmt: skip
-    """TMA loads of k step ``kk`` of tile (pid_m, pid_n) into ``stage`` (skipped unless ``pred``); at a tile's
-    first step also its rank tiles, on ``rank_ready``."""
+def _load_xw(x_desc, w_desc, x_bufs, w_bufs, ready, stage, pid_m, pid_n, kk, pred, W_NK: gl.constexpr):
+    """x's and w's tiles of K step ``kk`` of tile (pid_m, pid_n) into ``stage``, landing on its ``ready``
+    barrier (skipped unless ``pred``)."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    if W_NK:
-        BN: gl.constexpr = w_desc.block_type.shape[0]
-    else:
-        BN: gl.constexpr = w_desc.block_type.shape[1]
     bar = ready.index(stage)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kk * BK], bar, x_bufs.index(stage), pred)
     if W_NK:
+        BN: gl.constexpr = w_desc.block_type.shape[0]
         tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kk * BK], bar, w_bufs.index(stage), pred)
     else:
+        BN: gl.constexpr = w_desc.block_type.shape[1]
         tma.async_copy_global_to_shared(w_desc, [kk * BK, pid_n * BN], bar, w_bufs.index(stage), pred)
+
+
+@gluon.jit
+def _load_rank(s_desc, f_desc, s_buf, f_buf, bar, pid_m, pid_n, pred, W_NK: gl.constexpr):
+    """Tile (pid_m, pid_n)'s rank tiles (``s [BM, r]``, and f's ``[BN, r]`` or ``[r, BN]``), landing on ``bar``
+    (skipped unless ``pred``)."""
+    BM: gl.constexpr = s_desc.block_type.shape[0]
+    mbarrier.expect(bar, s_desc.block_type.nbytes + f_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(s_desc, [pid_m * BM, 0], bar, s_buf, pred)
+    if W_NK:
+        BN: gl.constexpr = f_desc.block_type.shape[0]
+        tma.async_copy_global_to_shared(f_desc, [pid_n * BN, 0], bar, f_buf, pred)
+    else:
+        BN: gl.constexpr = f_desc.block_type.shape[1]
+        tma.async_copy_global_to_shared(f_desc, [0, pid_n * BN], bar, f_buf, pred)
+
+
+@gluon.jit
+def _issue_loads(pid_m, pid_n, kk, stage, pred, x_desc, w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf, ready,
+                 rank_ready, RANK: gl.constexpr, W_NK: gl.constexpr):  # fmt: skip
+    """TMA loads of k step ``kk`` of tile (pid_m, pid_n) into ``stage`` (skipped unless ``pred``); at a tile's
+    first step also its rank tiles, on ``rank_ready``."""
+    _load_xw(x_desc, w_desc, x_bufs, w_bufs, ready, stage, pid_m, pid_n, kk, pred, W_NK)
     if RANK:
         first = pred & (kk == 0)
-        mbarrier.expect(rank_ready, s_desc.block_type.nbytes + f_desc.block_type.nbytes, pred=first)
-        tma.async_copy_global_to_shared(s_desc, [pid_m * BM, 0], rank_ready, s_buf, first)
-        if W_NK:
-            tma.async_copy_global_to_shared(f_desc, [pid_n * BN, 0], rank_ready, f_buf, first)
-        else:
-            tma.async_copy_global_to_shared(f_desc, [0, pid_n * BN], rank_ready, f_buf, first)
+        _load_rank(s_desc, f_desc, s_buf, f_buf, rank_ready, pid_m, pid_n, first, W_NK)
 
 
 @gluon.jit
@@ -130,6 +145,19 @@ def _epilogue(acc, c_desc, c_smem, pid_m, pid_n):
 
 
 @gluon.jit
+def _tile_buffers(x_desc, w_desc, s_desc, f_desc, c_desc, STAGES: gl.constexpr):
+    """Shared memory of both Gluon variants: ``STAGES`` x and w tiles, one s and one f (rank) tile, and the output
+    tile's staging buffer, each in its descriptor's layout."""
+    dtype: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    s_buf = gl.allocate_shared_memory(dtype, s_desc.block_type.shape, s_desc.layout)
+    f_buf = gl.allocate_shared_memory(dtype, f_desc.block_type.shape, f_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    return x_bufs, w_bufs, s_buf, f_buf, c_smem
+
+
+@gluon.jit
 def _program_work(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NUM_SMS: gl.constexpr):
     num_pid_m = gl.cdiv(M, BM)
     num_pid_n = gl.cdiv(N, BN)
@@ -146,14 +174,9 @@ def _gluon_pipe(
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    dtype: gl.constexpr = x_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])  # fmt: skip
-    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    s_buf = gl.allocate_shared_memory(dtype, s_desc.block_type.shape, s_desc.layout)
-    f_buf = gl.allocate_shared_memory(dtype, f_desc.block_type.shape, f_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    x_bufs, w_bufs, s_buf, f_buf, c_smem = _tile_buffers(x_desc, w_desc, s_desc, f_desc, c_desc, STAGES)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     rank_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -229,20 +252,9 @@ def _ws_loader(x_desc, w_desc, s_desc, f_desc, x_bufs, w_bufs, s_buf, f_buf, rea
         if RANK:
             if kk == 0:
                 mbarrier.wait(rank_empty, ((step // k_tiles) & 1) ^ 1)
-                mbarrier.expect(rank_ready, s_desc.block_type.nbytes + f_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(s_desc, [pid_m * BM, 0], rank_ready, s_buf)
-                if W_NK:
-                    tma.async_copy_global_to_shared(f_desc, [pid_n * BN, 0], rank_ready, f_buf)
-                else:
-                    tma.async_copy_global_to_shared(f_desc, [0, pid_n * BN], rank_ready, f_buf)
-        bar = ready.index(stage)
+                _load_rank(s_desc, f_desc, s_buf, f_buf, rank_ready, pid_m, pid_n, True, W_NK)
         mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kk * BK], bar, x_bufs.index(stage))
-        if W_NK:
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kk * BK], bar, w_bufs.index(stage))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [kk * BK, pid_n * BN], bar, w_bufs.index(stage))
+        _load_xw(x_desc, w_desc, x_bufs, w_bufs, ready, stage, pid_m, pid_n, kk, True, W_NK)
 
 
 @gluon.jit
@@ -280,12 +292,7 @@ def _gluon_ws(
     x_desc, w_desc, s_desc, f_desc, c_desc, M, N, K, RANK: gl.constexpr, W_NK: gl.constexpr, GROUP_M: gl.constexpr,
     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    dtype: gl.constexpr = x_desc.dtype
-    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    s_buf = gl.allocate_shared_memory(dtype, s_desc.block_type.shape, s_desc.layout)
-    f_buf = gl.allocate_shared_memory(dtype, f_desc.block_type.shape, f_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    x_bufs, w_bufs, s_buf, f_buf, c_smem = _tile_buffers(x_desc, w_desc, s_desc, f_desc, c_desc, STAGES)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     rank_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
