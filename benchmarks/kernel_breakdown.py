@@ -128,6 +128,18 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
     return totals
 
 
+def back_to_back(calls: int):
+    """A ``time_one`` for ``rounds.time_in_rounds``: one case's kernels' GPU time per call (ms) over ``calls``
+    calls back to back (torch.profiler; no L2 flush between calls, whose write-back adds ~50 us to every
+    ``do_bench`` call: NOTES.md, session 15). Memsets (an allocator's, a flush's) are left out."""
+
+    def time_one(fn) -> float:
+        times = kernel_times(fn, calls)
+        return sum(us for name, us in times.items() if not name.startswith("Memset")) / 1e3
+
+    return time_one
+
+
 def problem(M: int, K: int, N: int, r: int) -> tuple[torch.Tensor, ...]:
     """``(x [M, K], W [N, K], A [r, K], B [N, r], dy [M, N])``, bf16 on the GPU, seeded: the inputs every
     breakdown and probe of one shape times."""

@@ -8,8 +8,9 @@ drift: cuBLAS itself read 2-6% slower in the second of two back-to-back runs (be
 as large as the changes measured. Here the old tree's package is imported a second time, as
 ``parallel_lora_old`` (its imports are relative), and the forward and backward of both trees, with and
 without "pre" dropout 0.1, are timed in the same rounds (``rounds.time_in_rounds``, ``do_bench`` medians), with
-cuBLAS's two GEMMs beside them. Prints per-round times and the median over rounds of new / old per case;
-writes ``{"meta": ..., "rows": [...]}``.
+cuBLAS's two GEMMs beside them; ``--profile N`` times each case by its kernels' GPU time over N calls back to
+back instead (``kernel_breakdown.back_to_back``: no L2 flush, rounds within ~1 us of each other). Prints
+per-round times and the median over rounds of new / old per case; writes ``{"meta": ..., "rows": [...]}``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_breakdown import SHAPES, bench, problem  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import SHAPES, back_to_back, bench, problem  # noqa: E402  (benchmarks/ is this script's directory)
 from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 
@@ -72,6 +73,8 @@ def main():
     parser.add_argument("--shapes", default="", help="M,K,N,r;M,K,N,r;... (default: the DESIGN shapes)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per case and round")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="time each case as its kernels' GPU time over this many calls back to back")
     parser.add_argument("--out", default="probe_ab.json")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
@@ -79,7 +82,8 @@ def main():
     rows = []
     for shape in shapes:
         timed = cases(trees, *shape)
-        times = time_in_rounds(timed, args.rounds, lambda fn: bench(fn, args.reps))
+        time_one = back_to_back(args.profile) if args.profile else (lambda fn: bench(fn, args.reps))
+        times = time_in_rounds(timed, args.rounds, time_one)
         print(f"{shape}: ms per round")
         for name, ms in times.items():
             row = {"shape": list(shape), "case": name, "ms": statistics.median(ms), "ms_rounds": ms}

@@ -36,7 +36,7 @@ import argparse
 
 import torch
 import triton
-from kernel_breakdown import kernel_times  # benchmarks/ is this script's folder
+from kernel_breakdown import back_to_back  # benchmarks/ is this script's folder
 from probe_gemm import (  # benchmarks/ is this script's folder
     _alloc,
     _probe_gemm,
@@ -326,17 +326,6 @@ def descriptors(act, W, s, f, out, w_nk: bool, BM: int, BN: int, BK: int):
     else:
         w_block, f_block = [BK, BN], [R, BN]
     return desc(act, [BM, BK]), desc(W, w_block), desc(s, [BM, R]), desc(f, f_block), desc(out, [BM, BN])
-
-
-def back_to_back(calls: int):
-    """Time one case as its kernels' GPU time per call over ``calls`` calls back to back (torch.profiler; no
-    L2 flush between calls, whose write-back adds ~50 us to every ``do_bench`` call: NOTES.md, session 15)."""
-
-    def time_one(fn) -> float:
-        times = kernel_times(fn, calls)
-        return sum(us for name, us in times.items() if not name.startswith("Memset")) / 1e3
-
-    return time_one
 
 
 def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile: int):
