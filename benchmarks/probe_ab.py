@@ -93,7 +93,13 @@ def main():
             ratio = f"  new/old {row['new_over_old']:.3f}" if "new_over_old" in row else ""
             print(f"  {name:>18} " + " ".join(f"{t * 1e3:7.1f}" for t in ms) + f"  median {row['ms'] * 1e3:7.1f} us"
                   + ratio)  # fmt: skip
-    write_json(args.out, {"meta": run_meta(), "rows": rows})
+    # Each tree tunes its own kernels: a different pick (the autotuner's own timing is noisy) would confound
+    # the comparison, so the picks go into the record.
+    picks = {tag: tree[0].configs.tuned_summary() for tag, tree in trees.items()}
+    for name in sorted(set(picks["old"]) | set(picks["new"])):
+        if picks["old"].get(name) != picks["new"].get(name):
+            print(f"configs differ for {name}:\n  old {picks['old'].get(name)}\n  new {picks['new'].get(name)}")
+    write_json(args.out, {"meta": run_meta(), "rows": rows, "configs": picks})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Launch configurations for the LoRA kernels: one config generator per kernel, a shared-memory prune, and
-the single launch path that picks the interpreter config or the autotuner.
+the single launch path that picks the interpreter config or the tuned one.
 
-On GPU each kernel is wrapped (lazily, at its first launch) in ``triton.autotune`` keyed on its sizes and
-the rank tile; the tensor dtypes join the key automatically. Before benchmarking, ``early_config_prune``
-drops configs whose estimated shared memory, ``stages * (tiles streamed per step) * elem_size`` plus the
-rank-r tiles, exceeds the device's opt-in limit, so the same lists also fit a ~100 KB GPU, and drops tiles
-much larger than the problem; a problem under ``SMALL_WORK`` multiply-adds keeps one config (no tuning).
+On GPU each launch's config is tuned at its first call, per kernel variant (constexprs), size bucket and
+tensor dtypes (``tune``). First ``prune`` drops configs whose estimated shared memory, ``stages * (tiles
+streamed per step) * elem_size`` plus the rank-r tiles, exceeds the device's opt-in limit, so the same lists
+also fit a ~100 KB GPU, and drops tiles much larger than the problem; a problem under ``SMALL_WORK``
+multiply-adds keeps one config (no tuning). The rest are timed back to back in CUDA graphs, in interleaved
+rounds: Triton's autotuner (``do_bench``, one config after the other) picked a dx launch 7% slower than the
+best in 3 of 17 recorded H200 runs.
 The estimates were checked to bound ``metadata.shared`` of every config compiled for sm_90 (Triton 3.9).
 The Triton interpreter cannot autotune over several configs, so there each kernel runs with exactly one
 small config.
@@ -17,6 +19,7 @@ tuned on the H200; a later issue records shapes and gains beside any tuned const
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -283,31 +286,100 @@ def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None,
     return kept
 
 
-# (spec name, kernel name, constexprs) -> its autotuner, created at the variant's first GPU launch. One per
-# constexpr variant: Triton's autotuner keys its cache on the key sizes and dtypes only, so variants sharing one
-# would share a config tuned (and shared-memory-pruned) for another variant.
-_TUNED: dict[tuple, triton.runtime.Autotuner] = {}
+# How ``tune`` times a candidate config: the median over ``TUNE_ROUNDS`` rounds, each a CUDA-graph replay of
+# ~``TUNE_REPLAY_MS`` of back-to-back launches.
+TUNE_ROUNDS = 5
+TUNE_REPLAY_MS = 5.0
 
 
-def _tuned(spec: KernelSpec, kernel, consts: dict):
-    key = (spec.name, kernel.__name__, tuple(consts.items()))
-    if key not in _TUNED:
-        _TUNED[key] = triton.autotune(
-            configs=spec.configs(),
-            key=list(spec.key),
-            prune_configs_by={"early_config_prune": functools.partial(prune, spec)},
-        )(kernel)
-    return _TUNED[key]
+def fastest(n: int, time_one: Callable[[int], float], rounds: int = TUNE_ROUNDS) -> int:
+    """The index (of ``n`` candidates) with the lowest median of ``time_one(i)`` over ``rounds`` rounds; ties go to
+    the lower index. Round ``k`` times every candidate once, starting at candidate ``k mod n``: on the H200 a
+    kernel timed first, on a cooler GPU, or right after a slow one, read up to 10-20% fast (NOTES.md, sessions 9
+    and 13), and Triton's autotuner times its configs one after the other, in list order."""
+    times: list[list[float]] = [[] for _ in range(n)]
+    for k in range(rounds):
+        for j in range(n):
+            times[(k + j) % n].append(time_one((k + j) % n))
+    return min(range(n), key=lambda i: (statistics.median(times[i]), i))
+
+
+# One side stream per device for the tuning graphs (per-stream workspaces are keyed by stream).
+_TUNE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
+    """A timer of ``call`` (one launch, already compiled): ms per launch over one replay of a CUDA graph of
+    back-to-back launches. No host time between launches and no cache flush: ``triton.testing.do_bench`` adds a
+    256 MB L2 flush and a Python launch to every call, ~50 us that swamped the 1-2 us between the configs of an
+    ~20 us kernel and diluted a 27 us gap between two 380 us ones (NOTES.md, session 17). Captured in
+    thread-local mode: another thread's CUDA calls meanwhile (autograd's device threads) are not disturbed."""
+    device = torch.cuda.current_device()
+    stream = _TUNE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        start.record()
+        for _ in range(3):
+            call()
+        end.record()
+        end.synchronize()
+        calls = max(1, min(1000, int(TUNE_REPLAY_MS / max(start.elapsed_time(end) / 3, 1e-3))))
+        # ``capture_begin`` itself: ``torch.cuda.graph`` would also collect garbage and empty the allocator's
+        # cache for every candidate.
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                call()
+        finally:
+            graph.capture_end()
+
+    def time_one() -> float:
+        with torch.cuda.stream(stream):
+            start.record()
+            graph.replay()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    return time_one
+
+
+def tune(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> triton.Config:
+    """The fastest of the configs ``prune`` keeps for this launch, each compiled and timed by ``replay_timer`` in
+    interleaved rounds (``fastest``). A config the compiler refuses (resources the estimate missed) is
+    skipped. Runs the kernel many times on ``args``: the launches write its outputs, never accumulate."""
+    from triton.runtime.errors import OutOfResources
+
+    nargs = dict(zip(kernel.arg_names, args, strict=False))
+    candidates = prune(spec, spec.configs(), nargs, **consts)
+    if len(candidates) == 1:
+        return candidates[0]
+    # Nothing else of ours may run meanwhile: the fused launches' sync buffers belong to the caller's stream.
+    torch.cuda.current_stream().synchronize()
+    timers, kept = [], []
+    for cfg in candidates:
+        call = functools.partial(kernel[grid], *args, **consts, **cfg.all_kwargs())
+        try:
+            call()
+        except OutOfResources:
+            continue
+        timers.append(replay_timer(call))
+        kept.append(cfg)
+    if not kept:
+        raise RuntimeError(f"{spec.name}: no config of {candidates} compiles for this launch")
+    return kept[fastest(len(kept), lambda i: timers[i]())]
 
 
 def tuned_summary() -> dict[str, list[str]]:
-    """Every autotuned kernel's chosen config per key, for benchmark logs."""
+    """Every tuned launch's chosen config per key, for benchmark logs."""
     summary: dict[str, list[str]] = {}
-    for (name, _, consts), tuner in _TUNED.items():
+    for (name, _, _, sizes, dtypes, consts), cfg in _BEST.items():
         flags = {k: v for k, v in consts if isinstance(v, bool) and v}
-        summary.setdefault(name, []).extend(
+        key = (*sizes, *(str(d) for d in dtypes))
+        summary.setdefault(name, []).append(
             f"{key} {flags}: {cfg.kwargs} stages={cfg.num_stages} warps={cfg.num_warps}"
-            for key, cfg in tuner.cache.items()
         )
     return summary
 
@@ -344,13 +416,13 @@ class Site:
 
 
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. Triton's own launch path re-binds
-# and re-specializes every argument and the autotuner rebuilds its key at each call (60-100 us of host time
+# and re-specializes every argument at each call (with ``triton.autotune`` around it, 60-100 us of host time
 # per launch on the H200 machine's CPU, more than the small kernels run for); after a signature's first
 # launch we call its compiled kernel directly. One entry per exact shape: a new token count costs one launch
 # through Triton's path (its binary is shared by the Ms Triton specializes alike; its config by the bucket).
 # Two threads binding one signature at once store equal entries.
 _BOUND: dict[tuple, Bound] = {}
-# (spec, kernel, device, bucketed sizes, tensor dtypes, constexprs) -> the config the autotuner chose for the
+# ``best_key`` (kernel, constexprs, device, bucketed sizes, tensor dtypes) -> the config ``tune`` chose for the
 # first token count M of that bucket.
 _BEST: dict[tuple, triton.Config] = {}
 _TUNING_LOCK = threading.Lock()
@@ -370,22 +442,26 @@ def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
 
 
 def _compile(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
-    """Launch through Triton's own path with the config tuned for this size bucket (tuning it at the bucket's
+    """Launch through Triton's own path with the config tuned for this size bucket (``tune`` at the bucket's
     first launch); returns ``(compiled kernel, config)``."""
-    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-    best_key = (spec.name, kernel.__name__, torch.cuda.current_device(), bucketed_sizes(spec, kernel, args),
-                dtypes, tuple(consts.items()))  # fmt: skip
-    # Under the lock, so that the config read back is the one this call's launch chose (autograd's device
-    # thread may launch the same kernel for another signature at the same time).
+    key = best_key(spec, kernel, args, consts)
+    # Under the lock: autograd's device thread may launch the same kernel for another signature at the same
+    # time, and one tuning at a time keeps the timings clean.
     with _TUNING_LOCK:
-        cfg = _BEST.get(best_key)
+        cfg = _BEST.get(key)
         if cfg is None:
-            tuner = _tuned(spec, kernel, consts)
-            compiled = tuner[grid](*args, **consts)
-            cfg = _BEST[best_key] = tuner.best_config
-        else:
-            compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
+            cfg = _BEST[key] = tune(spec, kernel, grid, args, consts)
+        compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
     return compiled, cfg
+
+
+def best_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
+    """The ``_BEST`` key of a launch: its kernel and constexprs (each variant tunes its own config: one compiled
+    with the "pre" mask has other registers and shared memory than the plain one), device, size bucket and
+    tensor dtypes."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return (spec.name, kernel.__name__, tensors[0].device, bucketed_sizes(spec, kernel, args),
+            tuple(t.dtype for t in tensors), tuple(consts.items()))  # fmt: skip
 
 
 def bound_key(spec: KernelSpec, kernel, signature: tuple, tensors: tuple) -> tuple:
@@ -403,8 +479,8 @@ def launch(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: 
     ``signature`` is the caller's cheap summary of everything else (sizes, strides, dtypes, constexpr flags):
     two calls with equal signatures must get equal ``build()`` results. ``build() -> (static, grid, consts)``
     gives the size and stride arguments, the grid (a function of the config) and the call's constexprs; it
-    runs at a signature's first launch only. On GPU that launch autotunes (per size bucket,
-    ``bucketed_sizes``) and binds the compiled kernel; later launches call it directly. The interpreter runs
+    runs at a signature's first launch only. On GPU that launch tunes (per size bucket, ``bucketed_sizes``:
+    ``tune``) and binds the compiled kernel; later launches call it directly. The interpreter runs
     the one small config of ``INTERP_CONFIGS``.
     """
     if interpreting():
