@@ -315,7 +315,9 @@ def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
     ~20 us kernel and diluted a 27 us gap between two 380 us ones (NOTES.md, session 17). Captured in
     thread-local mode: another thread's CUDA calls meanwhile (autograd's device threads) are not disturbed."""
     device = torch.cuda.current_device()
-    stream = _TUNE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    if device not in _TUNE_STREAMS:
+        _TUNE_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _TUNE_STREAMS[device]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
