@@ -681,6 +681,21 @@ def test_each_constexpr_variant_of_a_kernel_tunes_its_own_config():
     assert kconfigs.best_key(spec, kernel, tuple(half), plain) != key
 
 
+def test_tuning_inside_cuda_graph_capture_says_to_run_a_step_eagerly_first(monkeypatch):
+    # Timing candidates needs synchronization, which a capture forbids: a clear error, not a CUDA one.
+    from parallel_lora.kernels import gemm
+
+    spec, kernel = gemm._SPEC, gemm._lora_gemm_kernel
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    two = spec.configs()[:2]
+    monkeypatch.setattr(kconfigs, "prune", lambda *args, **kwargs: two)
+    args = (torch.empty(1, dtype=torch.bfloat16),) + (64,) * (len(kernel.arg_names) - 1)
+    with pytest.raises(RuntimeError, match="cannot happen inside CUDA graph capture. Run one step eagerly"):
+        kconfigs.tune(spec, kernel, (1,), args, {})
+    monkeypatch.setattr(kconfigs, "prune", lambda *args, **kwargs: two[:1])
+    assert kconfigs.tune(spec, kernel, (1,), args, {}) is two[0], "one candidate needs no timing"
+
+
 def test_tuning_takes_the_lowest_median_over_rounds_each_led_by_another_candidate():
     # Candidate 1 is the fastest but for one slow round; candidate 2 is fast once (timed first on a cool GPU).
     samples = {0: [10.0] * 5, 1: [5.0, 5.0, 50.0, 5.0, 5.0], 2: [1.0, 9.0, 9.0, 9.0, 9.0]}

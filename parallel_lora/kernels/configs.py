@@ -358,6 +358,12 @@ def tune(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> triton.Co
     candidates = prune(spec, spec.configs(), nargs, **consts)
     if len(candidates) == 1:
         return candidates[0]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{spec.name}: the first launch of a layer shape times {len(candidates)} candidate configs of its "
+            "kernel, which cannot happen inside CUDA graph capture. Run one step eagerly (same shapes and "
+            "dtypes) before capturing."
+        )
     # Nothing else of ours may run meanwhile: the fused launches' sync buffers belong to the caller's stream.
     torch.cuda.current_stream().synchronize()
     timers, kept = [], []
