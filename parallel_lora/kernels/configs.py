@@ -424,11 +424,11 @@ class Site:
 
 
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. Triton's own launch path re-binds
-# and re-specializes every argument at each call (with ``triton.autotune`` around it, 60-100 us of host time
-# per launch on the H200 machine's CPU, more than the small kernels run for); after a signature's first
-# launch we call its compiled kernel directly. One entry per exact shape: a new token count costs one launch
-# through Triton's path (its binary is shared by the Ms Triton specializes alike; its config by the bucket).
-# Two threads binding one signature at once store equal entries.
+# and re-specializes every argument at each call (60-100 us of host time per launch on the H200 machine's CPU,
+# measured with the ``triton.autotune`` wrapper used until session 17; more than the small kernels run for);
+# after a signature's first launch we call its compiled kernel directly. One entry per exact shape: a new
+# token count costs one launch through Triton's path (its binary is shared by the Ms Triton specializes alike;
+# its config by the bucket). Two threads binding one signature at once store equal entries.
 _BOUND: dict[tuple, Bound] = {}
 # ``best_key`` (kernel, constexprs, device, bucketed sizes, tensor dtypes) -> the config ``tune`` chose for the
 # first token count M of that bucket.
