@@ -1,4 +1,4 @@
-"""Probe: what each tuning candidate of the op's launches costs, and which one the autotuner picks (CUDA).
+"""Probe: what each tuning candidate of the op's launches costs, and which one each tuner picks (CUDA).
 
     python benchmarks/probe_tuning.py --shapes "8192,4096,4096,16" --trials 5 --rounds 3 --profile 20 --out t.json
 
@@ -101,7 +101,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="8192,4096,4096,16", help="M,K,N,r;M,K,N,r;...")
     parser.add_argument("--launches", default="", help="comma-separated spec names to probe (default: all)")
-    parser.add_argument("--trials", type=int, default=5, help="fresh autotuner runs per launch")
+    parser.add_argument("--trials", type=int, default=5, help="runs of each tuner per launch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=20, help="calls back to back per timing")
     parser.add_argument("--out", default="probe_tuning.json")
