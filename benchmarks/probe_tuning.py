@@ -109,12 +109,19 @@ def main():
     wanted = set(args.launches.split(",")) if args.launches else None
     rows = []
     for shape in parse_shapes(args.shapes):
-        for name, (spec, kernel, call_args, consts, grid) in captured_launches(*shape).items():
+        launches = captured_launches(*shape)
+        for name, (spec, kernel, call_args, consts, grid) in launches.items():
             if wanted and spec.name not in wanted:
                 continue
             row = probe_launch(name, spec, kernel, call_args, consts, grid, args.rounds, args.profile, args.trials)
             rows.append({"shape": list(shape), **row})
-    write_json(args.out, {"meta": run_meta(), "rows": rows})
+    # The library's picks at the op's first calls in this process (a fresh process tunes on a cold GPU, right
+    # after compiling: where Triton's autotuner went wrong).
+    first = configs.tuned_summary()
+    for name in sorted(first):
+        if not wanted or name in wanted:
+            print(f"first call, {name}: " + "; ".join(pick.split(": ", 1)[1] for pick in first[name]))
+    write_json(args.out, {"meta": run_meta(first_picks=first), "rows": rows})
 
 
 if __name__ == "__main__":
