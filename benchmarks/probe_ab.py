@@ -93,7 +93,7 @@ def main():
             ratio = f"  new/old {row['new_over_old']:.3f}" if "new_over_old" in row else ""
             print(f"  {name:>18} " + " ".join(f"{t * 1e3:7.1f}" for t in ms) + f"  median {row['ms'] * 1e3:7.1f} us"
                   + ratio)  # fmt: skip
-    # Each tree tunes its own kernels: a different pick (the autotuner's own timing is noisy) would confound
+    # Each tree tunes its own kernels: a different pick (tuning is by timing, which varies) would confound
     # the comparison, so the picks go into the record.
     picks = {tag: tree[0].configs.tuned_summary() for tag, tree in trees.items()}
     for name in sorted(set(picks["old"]) | set(picks["new"])):

@@ -1007,7 +1007,7 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
     drop = Dropout(p=0.1, seed=3, position="pre")
     check_against_eager(*make_inputs(3000, K, N, r, torch.bfloat16, device="cuda"), SCALE, drop,
                         tol=GPU_TOL[torch.bfloat16])  # fmt: skip
-    assert tuner_calls, "the first M of the bucket did not go through the autotuner"
+    assert tuner_calls, "the first M of the bucket did not go through the tuner"
     tuner_calls.clear()
     for M in (3001, 2049, 4096, 3000):
         inputs = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
