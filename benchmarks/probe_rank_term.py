@@ -2,6 +2,7 @@
 
     python benchmarks/probe_rank_term.py --out probe_rank.json
     python benchmarks/probe_rank_term.py --ttgir DIR      # also write each variant's TTGIR (what was pipelined)
+    python benchmarks/probe_rank_term.py --profile 20     # kernel time back to back (no L2 flush), not do_bench
 
 Experiments, not library code. ``kernel_breakdown.py`` (NOTES.md, session 6) put the epilogue rank term of
 ``gemm_tma._lora_gemm_tma_kernel`` at ~38 us over its r = 0 run at 8192 x 4096 -> 4096 (r = 0 runs the same
@@ -31,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from kernel_breakdown import back_to_back  # benchmarks/ is this script's folder
 from probe_gemm import (  # benchmarks/ is this script's folder
     _alloc,
     _coords,
@@ -124,7 +126,7 @@ def _probe_rank(
 CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_stages=3, num_warps=8)
 
 
-def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
+def probe(shapes, rounds: int, reps: int, ttgir_dir: str, profile: int = 0):
     nsm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for M, K, N, r in shapes:
@@ -148,7 +150,7 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str):
                 if rank == 4:  # compiled and checked only: timing it would cool the GPU for the next variant
                     continue
                 cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
-        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps)
+        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps, back_to_back(profile) if profile else None)
     return rows
 
 
@@ -158,11 +160,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per measurement")
     parser.add_argument("--ttgir", default="", help="folder for each variant's TTGIR")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="time each case as its kernels' GPU time over this many calls back to back")
     parser.add_argument("--out", default="probe_rank_term.json")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)
-    rows = probe(parse_shapes(args.shapes), args.rounds, args.reps, args.ttgir)
+    rows = probe(parse_shapes(args.shapes), args.rounds, args.reps, args.ttgir, args.profile)
     write_json(args.out, {"meta": run_meta(config=CONFIG), "rows": rows})
 
 
