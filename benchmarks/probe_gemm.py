@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from kernel_breakdown import back_to_back  # benchmarks/ is this script's folder
 from rounds import ratio_over_rounds, time_in_rounds  # benchmarks/ is this script's folder
 from triton.testing import do_bench
 
@@ -173,15 +174,16 @@ def launch_checked(kernel, grid, args: tuple, kw: dict, out: torch.Tensor, ref: 
     return compiled
 
 
-def rows_in_rounds(shape, cases: dict, rounds: int, reps: int, time_one=None) -> list[dict]:
+def rows_in_rounds(shape, cases: dict, rounds: int, reps: int, profile: int = 0) -> list[dict]:
     """Time every case once per round, each round led by another (``rounds.round_order``); one row per case
-    with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round. ``time_one``
-    (ms of one case) defaults to ``do_bench``'s median over ``reps`` ms, L2 flushed before each call."""
+    with its median and its median ratio to the cuBLAS GEMM of its orientation in the same round. A case's time
+    is ``do_bench``'s median over ``reps`` ms, L2 flushed before each call, or with ``profile`` its kernels' GPU
+    time over that many calls back to back (``kernel_breakdown.back_to_back``)."""
 
     def flushed(fn) -> float:
         return do_bench(fn, warmup=10, rep=reps, return_mode="median")
 
-    times = time_in_rounds(cases, rounds, time_one or flushed)
+    times = time_in_rounds(cases, rounds, back_to_back(profile) if profile else flushed)
     rows = []
     for name, ts in times.items():
         base = times["cublas_y" if name.startswith(("y", "cublas_y")) else "cublas_dx"]

@@ -36,7 +36,6 @@ import argparse
 
 import torch
 import triton
-from kernel_breakdown import back_to_back  # benchmarks/ is this script's folder
 from probe_gemm import (  # benchmarks/ is this script's folder
     _alloc,
     _probe_gemm,
@@ -376,7 +375,7 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
                     print(f"{name}: regs {compiled.n_regs} spills {compiled.n_spills} smem "
                           f"{compiled.metadata.shared}", flush=True)  # fmt: skip
                     cases[name] = lambda g=grid, a=args, k=kw, kern=kernel: kern[g](*a, **k)
-        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps, back_to_back(profile) if profile else None)
+        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps, profile)
     return rows
 
 

@@ -32,7 +32,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from kernel_breakdown import back_to_back  # benchmarks/ is this script's folder
 from probe_gemm import (  # benchmarks/ is this script's folder
     _alloc,
     _coords,
@@ -150,7 +149,7 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str, profile: int = 0):
                 if rank == 4:  # compiled and checked only: timing it would cool the GPU for the next variant
                     continue
                 cases[f"{orient}_rank{rank}"] = lambda g=grid, a=args, k=kw: _probe_rank[g](*a, **k)
-        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps, back_to_back(profile) if profile else None)
+        rows += rows_in_rounds((M, K, N, r), cases, rounds, reps, profile)
     return rows
 
 
