@@ -79,10 +79,10 @@ def main():
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     trees = {"old": load_tree(Path(args.old)), "new": (kernels, Dropout)}
+    time_one = back_to_back(args.profile) if args.profile else (lambda fn: bench(fn, args.reps))
     rows = []
     for shape in shapes:
         timed = cases(trees, *shape)
-        time_one = back_to_back(args.profile) if args.profile else (lambda fn: bench(fn, args.reps))
         times = time_in_rounds(timed, args.rounds, time_one)
         print(f"{shape}: ms per round")
         for name, ms in times.items():
