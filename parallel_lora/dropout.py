@@ -12,6 +12,8 @@ for bit, so the two backends drop exactly the same elements, and a tensor-parall
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,3 +147,41 @@ def new_seed() -> int:
     """A fresh 63-bit seed from the CPU default generator (no device sync, reproducible under
     ``torch.manual_seed``)."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+class CallSeeds:
+    """One layer's dropout seed per forward call, drawn again when activation checkpointing reruns the call.
+
+    ``torch.utils.checkpoint`` reruns a region's forward inside the backward pass to rebuild the tensors it did
+    not keep. A layer that took a new seed there would rebuild ``S = s * drop(x) A^T`` under another mask than
+    its forward used, and ``dB = dy^T S`` would come out silently wrong. Checkpointing restores the CPU
+    generator before the rerun (``preserve_rng_state=True``, its default), so every call draws one tag from it
+    (``new_seed``): a call outside backward is a new call, whose seed ``fresh(tag)`` is kept under its tag; a
+    call inside backward is a rerun and gets the seed kept under its tag, or an error if there is none. Each
+    call draws exactly one value either way, so the generator stays in step for the region's other random ops.
+    """
+
+    # Calls of one layer whose rerun may still be to come: micro-batches in flight times calls per forward.
+    KEPT = 64
+
+    def __init__(self) -> None:
+        self._seeds: OrderedDict[int, int] = OrderedDict()
+
+    def __call__(self, fresh: Callable[[int], int]) -> int:
+        tag = new_seed()
+        # The autograd engine's graph task of this thread: -1 outside a backward pass (checkpointing asks the same).
+        if torch._C._current_graph_task_id() == -1:
+            seed = self._seeds[tag] = fresh(tag)
+            self._seeds.move_to_end(tag)
+            while len(self._seeds) > self.KEPT:
+                self._seeds.popitem(last=False)
+            return seed
+        seed = self._seeds.get(tag)
+        if seed is None:
+            raise RuntimeError(
+                "LoRA dropout: a forward call inside the backward pass (an activation-checkpoint rerun) matches none "
+                f"of this layer's last {self.KEPT} forward calls. Checkpoint with preserve_rng_state=True (the "
+                "default of torch.utils.checkpoint): the rerun must draw the forward's dropout mask again, or dB "
+                "would be computed under another mask than the forward used."
+            )
+        return seed

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .config import LoRAConfig
-from .dropout import Dropout, new_seed
+from .dropout import CallSeeds, Dropout
 from .functional import check_inputs, linear, lora_linear_local, resolve_backend
 
 
@@ -35,13 +35,9 @@ def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Gene
     return weight
 
 
-def make_dropout(config: LoRAConfig, training: bool, seed: int | None = None, k_offset: int = 0) -> Dropout | None:
-    """The dropout of one forward call, or ``None`` when it is inactive."""
-    if not training or config.dropout == 0.0:
-        return None
-    return Dropout(
-        p=config.dropout, seed=new_seed() if seed is None else seed, position=config.dropout_position, k_offset=k_offset
-    )
+def make_dropout(config: LoRAConfig, seed: int, k_offset: int = 0) -> Dropout:
+    """The dropout of one forward call, with its mask's seed."""
+    return Dropout(p=config.dropout, seed=seed, position=config.dropout_position, k_offset=k_offset)
 
 
 class LoRALinear(nn.Module):
@@ -75,6 +71,7 @@ class LoRALinear(nn.Module):
         self.reset_lora_parameters()
         self.merged = False
         self.adapter_enabled = True
+        self._call_seeds = CallSeeds()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: LoRAConfig) -> LoRALinear:
@@ -104,8 +101,14 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A.weight, self.lora_B.weight
         check_inputs(x, self.weight, self.bias, A, B, self.scale)
         backend = resolve_backend(self.config.backend, x.device)
-        dropout = make_dropout(self.config, self.training)
-        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, dropout, backend)
+        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, self._dropout(), backend)
+
+    def _dropout(self) -> Dropout | None:
+        """The dropout of this forward call (``None`` in eval mode or at p = 0): a fresh seed from the CPU
+        generator, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
+        if not self.training or self.config.dropout == 0.0:
+            return None
+        return make_dropout(self.config, self._call_seeds(lambda tag: tag))
 
     def extra_repr(self) -> str:
         c = self.config

@@ -38,6 +38,7 @@ from .comm import (
     output_comm,
 )
 from .config import LoRAConfig
+from .dropout import CallSeeds, Dropout
 from .dtypes import cast_to, compute_dtype
 from .functional import LoRALinearFunction, resolve_backend
 from .layers import LoRALinear, make_dropout
@@ -137,6 +138,7 @@ class _ParallelLoRALinear(nn.Module):
         self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
         self.merged, self.adapter_enabled = False, True
         self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
+        self._call_seeds = CallSeeds()
 
         def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
             return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
@@ -168,12 +170,17 @@ class _ParallelLoRALinear(nn.Module):
     def _group(self):
         return self.mesh.get_group()
 
-    def _dropout(self, k_offset: int):
+    def _dropout(self, k_offset: int) -> Dropout | None:
+        """The dropout of this forward call (``None`` in eval mode or at p = 0): the next seed of the stream every
+        rank advances alike, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
         if not self.training or self.config.dropout == 0.0:
             return None
+        return make_dropout(self.config, self._call_seeds(self._next_seed), k_offset)
+
+    def _next_seed(self, tag: int) -> int:
+        # The tag is this rank's own CPU draw: ranks agree on the counter, not on their generators.
         self._seed_step += 1
-        seed = (self._seed_base + self._seed_step * _SEED_STRIDE) % 2**62
-        return make_dropout(self.config, True, seed=seed, k_offset=k_offset)
+        return (self._seed_base + self._seed_step * _SEED_STRIDE) % 2**62
 
     def _check_input(self, x: torch.Tensor, width: int) -> None:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel_lora import LoRAConfig, LoRALinear, apply_lora
 
@@ -234,3 +235,40 @@ def test_apply_lora_twice_does_not_adapt_the_adapters():
     apply_lora(model, LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
     with pytest.raises(ValueError, match="no nn.Linear matches"):
         apply_lora(model, LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+
+
+def _outputs_and_grads(model: nn.Sequential, x: torch.Tensor, run) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = run(model, x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in model.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant):
+    # The rerun rebuilds S = s * drop(x) A^T for dB: under another mask than the forward's, dB would be wrong.
+    torch.manual_seed(0)
+    cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, backend="torch")
+    model = nn.Sequential(LoRALinear(16, 12, cfg), nn.GELU(), LoRALinear(12, 8, cfg)).train()
+    for layer in (model[0], model[2]):
+        nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(6, 16)
+    plain = lambda m, x: m(x)  # noqa: E731
+    checkpointed = lambda m, x: checkpoint(m, x, use_reentrant=use_reentrant)  # noqa: E731
+    rng = torch.get_rng_state()
+    want = _outputs_and_grads(model, x, plain)
+    torch.set_rng_state(rng)
+    got = _outputs_and_grads(model, x, checkpointed)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"output/grad {i} differs under checkpointing"
+    # The check can fail: the next forward draws another mask, so its gradients differ.
+    assert not torch.equal(_outputs_and_grads(model, x, plain)[-1], want[-1])
+
+
+def test_a_checkpoint_rerun_without_the_forwards_rng_state_raises():
+    cfg = LoRAConfig(r=4, alpha=8, dropout=0.1, backend="torch")
+    layer = LoRALinear(16, 12, cfg).train()
+    y = checkpoint(layer, torch.randn(6, 16, requires_grad=True), use_reentrant=False, preserve_rng_state=False)
+    with pytest.raises(RuntimeError, match="preserve_rng_state=True"):
+        y.sum().backward()
