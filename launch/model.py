@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -158,11 +159,16 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos.to(self.lm_head.weight.device), persistent=False)
         self.register_buffer("rope_sin", sin.to(self.lm_head.weight.device), persistent=False)
+        # Keep only each block's input for backward and rerun the block there (torch.utils.checkpoint).
+        self.activation_checkpointing = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, self.rope_cos, self.rope_sin, use_reentrant=False)
+            else:
+                h = layer(h, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(h))

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens (characters) per sequence")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="rerun each block's forward in backward instead of keeping its activations")
     p.add_argument("--output-dir", default="runs/train", help="where metrics, checkpoints and the adapter go")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         model = Transformer(config)
     lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES)
     apply_lora(model, lora_config, verbose=rank == 0)
+    model.activation_checkpointing = args.activation_checkpointing
 
     # -- plan: Megatron-style attention and MLP; heads and MLP width split over tp --------------------------
     sp = args.sequence_parallel

@@ -138,6 +138,14 @@ def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_pa
     assert losses(out) == losses(run_a)
 
 
+def test_activation_checkpointing_gives_the_same_losses(run_a, tmp_path):
+    out = tmp_path / "run_ac"
+    check_ok(torchrun(out, *COMMON, "--activation-checkpointing"))
+    # Each block reruns its forward in backward with the masks its forward drew: the same ops on the same
+    # values, so the same losses bit for bit (dropout is on in COMMON).
+    assert losses(out) == losses(run_a)
+
+
 def test_sequence_parallel_gives_the_same_losses(run_a, tmp_path):
     out = tmp_path / "run_sp"
     check_ok(torchrun(out, *COMMON, "--sequence-parallel"))
