@@ -214,8 +214,10 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
             None,
         ),
         "dx_grads": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, S), None),
-        # dx and dA only: what the launch costs without dB's read of dy (its share of the spare SMs and tail).
+        # One adapter gradient each: what each costs the launch (its share of the spare SMs and of the tail).
+        # dB reads dy, which the GEMM streams through L2 at the same time; dA reads x, which nothing else reads.
         "dx_grads_dA": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, None), None),
+        "dx_grads_dB": (lambda: lora_dx_and_grads(dy, W, False, G, A, None, S), None),
         "dx_grads_drop": (
             lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
             None,
