@@ -217,7 +217,9 @@ def lora_linear(
         dropout_p: dropout on the LoRA branch, active only when ``training``.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
         dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
-        dropout_seed: seed of the counter-based mask; drawn from the CPU generator when ``None``.
+        dropout_seed: seed of the counter-based mask; drawn from the CPU generator when ``None``, so an
+            activation-checkpoint rerun draws the same mask only with ``preserve_rng_state=True`` (the
+            default; ``nn.Dropout`` needs it too). The layers also detect a rerun without it and raise.
 
     Returns:
         ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
