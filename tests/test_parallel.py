@@ -528,7 +528,8 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, sp):
 
 def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool) -> None:
     col, row, _, _ = _tp_pair(F32, sp=False, dropout=0.4)
-    col.train(), row.train()
+    for m in (col, row):
+        m.train()
     tp, rank = dist.get_world_size(), dist.get_rank()
     x_full = torch.randn(BATCH, SEQ, K)
     dy = torch.randn(BATCH, SEQ, N)
