@@ -245,15 +245,15 @@ def _outputs_and_grads(model: nn.Sequential, x: torch.Tensor, run) -> list[torch
     return [y.detach(), x.grad, *(p.grad for p in model.parameters() if p.requires_grad)]
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant):
+def _checkpointing_reruns_the_forward_dropout_mask(use_reentrant: bool, device: str, dtype: torch.dtype) -> None:
     # The rerun rebuilds S = s * drop(x) A^T for dB: under another mask than the forward's, dB would be wrong.
-    torch.manual_seed(0)
-    cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, backend="torch")
-    model = nn.Sequential(LoRALinear(16, 12, cfg), nn.GELU(), LoRALinear(12, 8, cfg)).train()
+    cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, lora_dtype=torch.float32)
+    with torch.device(device):
+        model = nn.Sequential(LoRALinear(64, 48, cfg, dtype=dtype), nn.GELU(), LoRALinear(48, 32, cfg, dtype=dtype))
+        x = torch.randn(24, 64, dtype=dtype)
+    model.train()
     for layer in (model[0], model[2]):
         nn.init.normal_(layer.lora_B.weight)
-    x = torch.randn(6, 16)
     plain = lambda m, x: m(x)  # noqa: E731
     checkpointed = lambda m, x: checkpoint(m, x, use_reentrant=use_reentrant)  # noqa: E731
     rng = torch.get_rng_state()
@@ -264,6 +264,22 @@ def test_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant)
         assert torch.equal(g, w), f"output/grad {i} differs under checkpointing"
     # The check can fail: the next forward draws another mask, so its gradients differ.
     assert not torch.equal(_outputs_and_grads(model, x, plain)[-1], want[-1])
+
+
+REENTRANT = pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+
+
+@REENTRANT
+def test_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant):
+    _checkpointing_reruns_the_forward_dropout_mask(use_reentrant, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@REENTRANT
+def test_gpu_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant):
+    # The fused kernels, and the rerun on autograd's device thread.
+    _checkpointing_reruns_the_forward_dropout_mask(use_reentrant, "cuda", torch.bfloat16)
 
 
 def test_a_checkpoint_rerun_without_the_forwards_rng_state_raises():
