@@ -526,13 +526,13 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, sp):
     _dist.run_ranks(world_size, _dropout_matches_reference, sp)
 
 
-def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool) -> None:
-    col, row, _, _ = _tp_pair(F32, sp=False, dropout=0.4)
+def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool, sp: bool) -> None:
+    col, row, _, _ = _tp_pair(F32, sp, dropout=0.4)
     for m in (col, row):
         m.train()
     tp, rank = dist.get_world_size(), dist.get_rank()
-    x_full = torch.randn(BATCH, SEQ, K)
-    dy = torch.randn(BATCH, SEQ, N)
+    x_full = _seq_shard(torch.randn(BATCH, SEQ, K), sp)
+    dy = _seq_shard(torch.randn(BATCH, SEQ, N), sp)
 
     def mlp(x: torch.Tensor) -> torch.Tensor:
         return row(F.gelu(col(x)))
@@ -561,8 +561,9 @@ def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool) -> None:
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_activation_checkpointing_reruns_the_forward_dropout_masks(use_reentrant):
-    _dist.run_ranks(2, _checkpoint_reruns_the_dropout_masks, use_reentrant)
+@SP
+def test_activation_checkpointing_reruns_the_forward_dropout_masks(use_reentrant, sp):
+    _dist.run_ranks(2, _checkpoint_reruns_the_dropout_masks, use_reentrant, sp)
 
 
 # ------------------------------------------------------------------------------------------ bad input
