@@ -180,8 +180,9 @@ class CallSeeds:
         if seed is None:
             raise RuntimeError(
                 "LoRA dropout: a forward call inside the backward pass (an activation-checkpoint rerun) matches none "
-                f"of this layer's last {self.KEPT} forward calls. Checkpoint with preserve_rng_state=True (the "
-                "default of torch.utils.checkpoint): the rerun must draw the forward's dropout mask again, or dB "
-                "would be computed under another mask than the forward used."
+                f"of this layer's last {self.KEPT} forward calls, so it cannot draw its forward's mask again (dB "
+                "would be computed under another mask). Either the checkpoint did not restore the CPU generator "
+                "(use preserve_rng_state=True, the default of torch.utils.checkpoint), or more calls of this "
+                "layer ran between a forward and its rerun (raise parallel_lora.dropout.CallSeeds.KEPT)."
             )
         return seed

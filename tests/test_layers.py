@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel_lora import LoRAConfig, LoRALinear, apply_lora
+from parallel_lora.dropout import CallSeeds
 
 F32, BF16 = torch.float32, torch.bfloat16
 D, V = 16, 24  # model width, vocabulary
@@ -288,3 +289,13 @@ def test_a_checkpoint_rerun_without_the_forwards_rng_state_raises():
     y = checkpoint(layer, torch.randn(6, 16, requires_grad=True), use_reentrant=False, preserve_rng_state=False)
     with pytest.raises(RuntimeError, match="preserve_rng_state=True"):
         y.sum().backward()
+
+
+def test_a_rerun_after_more_in_flight_calls_than_kept_raises(monkeypatch):
+    # GPipe-style: every micro-batch's forward before any backward; the first rerun's seed was dropped.
+    monkeypatch.setattr(CallSeeds, "KEPT", 2)
+    layer = LoRALinear(16, 12, LoRAConfig(r=4, alpha=8, dropout=0.1, backend="torch")).train()
+    ys = [checkpoint(layer, torch.randn(6, 16, requires_grad=True), use_reentrant=False) for _ in range(3)]
+    ys[2].sum().backward()  # the newest two are kept
+    with pytest.raises(RuntimeError, match=r"last 2 forward calls.*CallSeeds.KEPT"):
+        ys[0].sum().backward()
