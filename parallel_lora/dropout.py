@@ -134,6 +134,9 @@ def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     return ((h >> ((cols & 1) * 16)) & 0xFFFF).to(torch.float32) * 2.0**-16
 
 
+# Outside torch.compile's graph: a seed that changes every call would make Dynamo recompile with a symbolic
+# seed and expand the hash in sympy (minutes a call on CPU).
+@torch.compiler.disable
 def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
     """Boolean keep-mask ``[rows, cols]`` for this call's dropped tensor (``x`` for "pre", ``x A^T`` for
     "post"), columns shifted by ``k_offset`` for "pre"."""
@@ -143,6 +146,9 @@ def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str
     return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/word
 
 
+# Outside torch.compile's graph: Inductor's random numbers differ from eager's, and a checkpoint rerun must
+# draw what the forward drew from the restored CPU generator.
+@torch.compiler.disable
 def new_seed() -> int:
     """A fresh 63-bit seed from the CPU default generator (no device sync, reproducible under
     ``torch.manual_seed``)."""
