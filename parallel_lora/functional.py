@@ -53,17 +53,33 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 _KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
 
 
+def _kernels():
+    if not _KERNELS:
+        from . import kernels
+
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
+
+
+# The fused kernels are opaque to torch.compile: Dynamo cannot trace the launchers' bound kernels (nor, under
+# Triton's interpreter, its numpy), and an autograd Function with an opaque call inside runs eagerly as a whole.
+@torch.compiler.disable
+def _fused_forward(*args):
+    return _kernels().forward(*args)
+
+
+@torch.compiler.disable
+def _fused_backward(*args, **kwargs):
+    return _kernels().backward_unchecked(*args, **kwargs)
+
+
 def _impl(backend: str) -> tuple[Callable, Callable]:
     """``(forward, backward)`` of a backend. The fused backward skips the kernels' argument checks: its
     operands are what the checked forward saved, and autograd hands it ``dy`` of the output's shape and
     dtype."""
     if backend != "triton":
         return eager.forward, eager.backward
-    if not _KERNELS:
-        from . import kernels
-
-        _KERNELS.append(kernels)
-    return _KERNELS[0].forward, _KERNELS[0].backward_unchecked
+    return _fused_forward, _fused_backward
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
