@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -35,9 +35,14 @@ def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Gene
     return weight
 
 
-def make_dropout(config: LoRAConfig, seed: int, k_offset: int = 0) -> Dropout:
-    """The dropout of one forward call, with its mask's seed."""
-    return Dropout(p=config.dropout, seed=seed, position=config.dropout_position, k_offset=k_offset)
+def make_dropout(
+    config: LoRAConfig, training: bool, seeds: CallSeeds, fresh: Callable[[int], int], k_offset: int = 0
+) -> Dropout | None:
+    """The dropout of one forward call, or ``None`` when it is inactive (eval mode, p = 0). Its seed comes from
+    the layer's ``seeds``: ``fresh(tag)`` for a new call, the forward's again in an activation-checkpoint rerun."""
+    if not training or config.dropout == 0.0:
+        return None
+    return Dropout(p=config.dropout, seed=seeds(fresh), position=config.dropout_position, k_offset=k_offset)
 
 
 class LoRALinear(nn.Module):
@@ -101,14 +106,9 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A.weight, self.lora_B.weight
         check_inputs(x, self.weight, self.bias, A, B, self.scale)
         backend = resolve_backend(self.config.backend, x.device)
-        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, self._dropout(), backend)
-
-    def _dropout(self) -> Dropout | None:
-        """The dropout of this forward call (``None`` in eval mode or at p = 0): a fresh seed from the CPU
-        generator, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
-        if not self.training or self.config.dropout == 0.0:
-            return None
-        return make_dropout(self.config, self._call_seeds(lambda tag: tag))
+        # The seed of a new call is its tag: a fresh draw from the CPU generator.
+        dropout = make_dropout(self.config, self.training, self._call_seeds, lambda tag: tag)
+        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, dropout, backend)
 
     def extra_repr(self) -> str:
         c = self.config

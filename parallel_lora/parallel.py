@@ -173,9 +173,7 @@ class _ParallelLoRALinear(nn.Module):
     def _dropout(self, k_offset: int) -> Dropout | None:
         """The dropout of this forward call (``None`` in eval mode or at p = 0): the next seed of the stream every
         rank advances alike, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
-        if not self.training or self.config.dropout == 0.0:
-            return None
-        return make_dropout(self.config, self._call_seeds(self._next_seed), k_offset)
+        return make_dropout(self.config, self.training, self._call_seeds, self._next_seed, k_offset)
 
     def _next_seed(self, tag: int) -> int:
         # The tag is this rank's own CPU draw: ranks agree on the counter, not on their generators.
