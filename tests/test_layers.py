@@ -246,25 +246,37 @@ def _outputs_and_grads(model: nn.Sequential, x: torch.Tensor, run) -> list[torch
     return [y.detach(), x.grad, *(p.grad for p in model.parameters() if p.requires_grad)]
 
 
+def _two_lora_layers(cfg: LoRAConfig, act: nn.Module, dims: tuple[int, int, int], device: str, dtype=None):
+    """``LoRALinear, act, LoRALinear`` in training mode with random B (B = 0 would hide dB), and an input."""
+    k, h, n = dims
+    with torch.device(device):
+        model = nn.Sequential(LoRALinear(k, h, cfg, dtype=dtype), act, LoRALinear(h, n, cfg, dtype=dtype)).train()
+        x = torch.randn(24, k, dtype=dtype)
+    for layer in (model[0], model[2]):
+        nn.init.normal_(layer.lora_B.weight)
+    return model, x
+
+
+def _assert_same_step_as_eager(model: nn.Sequential, x: torch.Tensor, run, what: str) -> list[torch.Tensor]:
+    """``run``'s outputs and gradients equal a plain eager step's bit for bit, from the same CPU generator state
+    (the dropout seeds); returns the eager step's."""
+    rng = torch.get_rng_state()
+    want = _outputs_and_grads(model, x, lambda m, x: m(x))
+    torch.set_rng_state(rng)
+    got = _outputs_and_grads(model, x, run)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"output/grad {i} differs {what}"
+    return want
+
+
 def _checkpointing_reruns_the_forward_dropout_mask(use_reentrant: bool, device: str, dtype: torch.dtype) -> None:
     # The rerun rebuilds S = s * drop(x) A^T for dB: under another mask than the forward's, dB would be wrong.
     cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, lora_dtype=torch.float32)
-    with torch.device(device):
-        model = nn.Sequential(LoRALinear(64, 48, cfg, dtype=dtype), nn.GELU(), LoRALinear(48, 32, cfg, dtype=dtype))
-        x = torch.randn(24, 64, dtype=dtype)
-    model.train()
-    for layer in (model[0], model[2]):
-        nn.init.normal_(layer.lora_B.weight)
-    plain = lambda m, x: m(x)  # noqa: E731
+    model, x = _two_lora_layers(cfg, nn.GELU(), (64, 48, 32), device, dtype)
     checkpointed = lambda m, x: checkpoint(m, x, use_reentrant=use_reentrant)  # noqa: E731
-    rng = torch.get_rng_state()
-    want = _outputs_and_grads(model, x, plain)
-    torch.set_rng_state(rng)
-    got = _outputs_and_grads(model, x, checkpointed)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"output/grad {i} differs under checkpointing"
+    want = _assert_same_step_as_eager(model, x, checkpointed, "under checkpointing")
     # The check can fail: the next forward draws another mask, so its gradients differ.
-    assert not torch.equal(_outputs_and_grads(model, x, plain)[-1], want[-1])
+    assert not torch.equal(_outputs_and_grads(model, x, lambda m, x: m(x))[-1], want[-1])
 
 
 REENTRANT = pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -318,16 +330,7 @@ def test_torch_compile_with_dropout_matches_eager_and_its_checkpoint_rerun(devic
     # eager, and Dynamo cannot trace the fused launchers (nor the interpreter's numpy).
     torch.manual_seed(0)
     cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, backend=backend)
-    with torch.device(device):
-        # ReLU, not GELU: Inductor's fused GELU need not match eager's to the bit on a GPU.
-        model = nn.Sequential(LoRALinear(16, 12, cfg), nn.ReLU(), LoRALinear(12, 8, cfg)).train()
-        x = torch.randn(6, 16)
-    for layer in (model[0], model[2]):
-        nn.init.normal_(layer.lora_B.weight)
-    rng = torch.get_rng_state()
-    want = _outputs_and_grads(model, x, lambda m, x: m(x))
-    torch.set_rng_state(rng)
+    # ReLU, not GELU: Inductor's fused GELU need not match eager's to the bit on a GPU.
+    model, x = _two_lora_layers(cfg, nn.ReLU(), (16, 12, 8), device)
     compiled = torch.compile(lambda x: checkpoint(model, x, use_reentrant=False))
-    got = _outputs_and_grads(model, x, lambda m, x: compiled(x))
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), f"output/grad {i} differs when compiled"
+    _assert_same_step_as_eager(model, x, lambda m, x: compiled(x), "when compiled")
