@@ -35,6 +35,12 @@ def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Gene
     return weight
 
 
+def init_base_weight_(weight: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``nn.Linear``'s default init of a *global* ``W [out, in]`` in place: kaiming_uniform_(a=sqrt(5))."""
+    with torch.no_grad():
+        return nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+
+
 def make_dropout(
     config: LoRAConfig, training: bool, seeds: CallSeeds, fresh: Callable[[int], int], k_offset: int = 0
 ) -> Dropout | None:
@@ -65,18 +71,21 @@ class LoRALinear(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, **factory), requires_grad=False) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        init_base_weight_(self.weight)
         self._add_adapters()
 
     def _add_adapters(self) -> None:
         w, r = self.weight, self.config.r
         lora_dtype = self.config.lora_dtype or w.dtype
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, dtype=lora_dtype, device=w.device)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, dtype=lora_dtype, device=w.device)
-        self.reset_lora_parameters()
+        # skip_init: nn.Linear's own init would draw from the generator before reset_lora_parameters, so a
+        # module reset after to_empty() would not match one built directly with the same seed.
+        factory = {"bias": False, "dtype": lora_dtype, "device": w.device}
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, r, **factory)
+        self.lora_B = nn.utils.skip_init(nn.Linear, r, self.out_features, **factory)
         self.merged = False
         self.adapter_enabled = True
         self._call_seeds = CallSeeds()
+        self.reset_lora_parameters()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: LoRAConfig) -> LoRALinear:
@@ -91,10 +100,31 @@ class LoRALinear(nn.Module):
         module._add_adapters()
         return module
 
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Draw W (``nn.Linear``'s default), zero the bias, then ``reset_lora_parameters``: the constructor's draws
+        in its order. This initialises a module built on the meta device, after ``to_empty()``; with the same
+        seed it gives the values the constructor would have. ``generator`` must be on the parameters' device."""
+        self._check_unmerged("reset_parameters")
+        self._fill_global(self.weight, lambda w: init_base_weight_(w, generator))
+        if self.bias is not None:
+            self._fill_global(self.bias, nn.init.zeros_)
+        self.reset_lora_parameters(generator)
+
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
         """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
-        init_lora_A_(self.lora_A.weight, self.config, generator)
-        nn.init.zeros_(self.lora_B.weight)
+        self._check_unmerged("reset_lora_parameters")
+        self._fill_global(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
+        self._fill_global(self.lora_B.weight, nn.init.zeros_)
+
+    def _check_unmerged(self, what: str) -> None:
+        if self.merged:
+            raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
+
+    @staticmethod
+    def _fill_global(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Initialise ``param`` with ``init`` applied to its global tensor; here it *is* the global tensor."""
+        with torch.no_grad():
+            init(param)
 
     @property
     def scale(self) -> float:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel_lora import LoRAConfig, LoRALinear, apply_lora
+from parallel_lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
 from parallel_lora.dropout import CallSeeds
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -154,6 +154,51 @@ def test_gaussian_init_A_has_std_one_over_r():
 def test_init_A_choices_differ():
     """Not vacuous: the kaiming and xavier checks above use bounds far enough apart to tell them apart."""
     assert _init_A("xavier").abs().max() > 2 * _init_A("kaiming").abs().max()
+
+
+def _params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["device-argument", "device-context"])
+def test_a_meta_built_layer_reset_after_to_empty_equals_the_constructed_one(how):
+    cfg = LoRAConfig(r=4, lora_dtype=F32)
+    torch.manual_seed(3)
+    built = _params(LoRALinear(12, 20, cfg, bias=True, dtype=BF16))
+    if how == "device-argument":
+        layer = LoRALinear(12, 20, cfg, bias=True, dtype=BF16, device="meta")
+    else:
+        with torch.device("meta"):
+            layer = LoRALinear(12, 20, cfg, bias=True, dtype=BF16)
+    assert all(p.is_meta for p in layer.parameters())
+    layer.to_empty(device="cpu")
+    torch.manual_seed(3)
+    layer.reset_parameters()
+    got = _params(layer)
+    assert got.keys() == built.keys()
+    for name, want in built.items():
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["lora_A.weight", "lora_B.weight"]
+
+
+def test_reset_lora_parameters_redraws_A_zeroes_B_and_keeps_the_base():
+    layer = LoRALinear(12, 20, LoRAConfig(r=4), bias=True)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    before = _params(layer)
+    layer.reset_lora_parameters()
+    after = _params(layer)
+    assert torch.equal(after["weight"], before["weight"]) and torch.equal(after["bias"], before["bias"])
+    assert not torch.equal(after["lora_A.weight"], before["lora_A.weight"])
+    assert not after["lora_B.weight"].any()
+
+
+def test_resetting_a_merged_layer_raises():
+    layer = LoRALinear(12, 20, LoRAConfig(r=4)).eval()
+    merge_lora(layer)
+    for reset in (layer.reset_parameters, layer.reset_lora_parameters):
+        with pytest.raises(ValueError, match=r"unmerge_lora\(\) first"):
+            reset()
 
 
 # ---------------------------------------------------------------------------------------------------------
