@@ -21,7 +21,7 @@ come from one autograd node (``comm.adapter_shards``), and a one-rank group issu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -57,14 +57,26 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None) -> torch.device:
+def _rank_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of the mesh: the current CUDA device for a CUDA mesh."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> torch.device:
+    """Where the module's tensors live: ``device``, else the meta device inside ``with torch.device("meta")``,
+    else the mesh's device (the current CUDA device for a CUDA mesh)."""
+    if device is None and torch.get_default_device().type == "meta":
+        device = "meta"
     if device is None:
-        if mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(mesh.device_type)
+        return _rank_device(mesh)
     device = torch.device(device)
-    if device.type != mesh.device_type:
-        raise ValueError(f"module device {device} does not match the mesh's device type '{mesh.device_type}'")
+    if device.type not in (mesh.device_type, "meta"):
+        raise ValueError(
+            f"module device {device} does not match the mesh's device type '{mesh.device_type}' "
+            "(or 'meta', to materialize later with to_empty() and reset_parameters())"
+        )
     return device
 
 
@@ -150,13 +162,31 @@ class _ParallelLoRALinear(nn.Module):
         self.lora_B.weight = param(lora_B, layout.lora_B, True)
         # Dropout masks must agree across ranks (A or B is replicated): one base seed from rank 0, then a
         # per-step counter that every rank advances identically.
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=weight.device)
+        # On the mesh's device even for a meta module: the seed is a real value that ranks must agree on now.
+        seed_device = _rank_device(mesh) if weight.is_meta else weight.device
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=seed_device)
         seed = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
         # Different TP groups (data-parallel replicas) see different rows: give each its own stream, keyed by
         # the global rank of the group's first member, so replicas do not share masks.
         group_id = int(mesh.mesh.flatten()[0].item())
         self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
         self._seed_step = 0
+
+    # Initialisation (e.g. after building on the meta device and ``to_empty()``): LoRALinear's methods, with
+    # every global tensor drawn whole on each rank and rank 0's values kept (``_fill_global``).
+    reset_parameters = LoRALinear.reset_parameters
+    reset_lora_parameters = LoRALinear.reset_lora_parameters
+    _check_unmerged = LoRALinear._check_unmerged
+
+    @staticmethod
+    def _fill_global(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Draw the DTensor ``param``'s *global* tensor with ``init`` and keep the shard rank 0 would hand this
+        rank, so the values depend on neither the TP size nor other ranks' generators. Any mesh and
+        placements: FSDP2's over the TP layout too."""
+        with torch.no_grad():
+            local = param.to_local()
+            full = init(torch.empty(param.shape, dtype=param.dtype, device=local.device))
+            local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
 
     # -- helpers -------------------------------------------------------------------------------------------
     @property
@@ -181,6 +211,11 @@ class _ParallelLoRALinear(nn.Module):
         return (self._seed_base + self._seed_step * _SEED_STRIDE) % 2**62
 
     def _check_input(self, x: torch.Tensor, width: int) -> None:
+        if self.weight.is_meta:
+            raise RuntimeError(
+                f"{type(self).__name__}: the parameters are on the meta device; materialize them first with "
+                "to_empty(device=...), then reset_parameters() or a state dict"
+            )
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             raise TypeError(f"{type(self).__name__} takes a plain local torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():

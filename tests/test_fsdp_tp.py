@@ -101,3 +101,52 @@ def _fsdp_tp_training(steps: int = 2) -> None:
 
 def test_fsdp2_over_dp_with_lora_tp_layers_trains_like_single_device_fp64():
     _dist.run_ranks(DP * TP, _fsdp_tp_training)
+
+
+def _mlp(mesh, seed: int) -> nn.Sequential:
+    """Column -> gelu -> row on ``mesh['tp']``, each layer built right after ``manual_seed(seed + i)``."""
+    cfg = LoRAConfig(r=R, alpha=6)
+    torch.manual_seed(seed)
+    col = ColumnParallelLoRALinear(K, H, cfg, mesh["tp"], bias=True)
+    torch.manual_seed(seed + 1)
+    return nn.Sequential(col, nn.GELU(), RowParallelLoRALinear(H, N, cfg, mesh["tp"], bias=True))
+
+
+def _fully_shard(model: nn.Sequential, mesh) -> nn.Sequential:
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _meta_init_under_fsdp_tp(seed: int) -> None:
+    """torchtitan's order: build on meta, tensor-parallel layers, ``fully_shard``, ``to_empty()``, then each
+    layer's ``reset_parameters()``. FSDP2 shards TP-sharded dims again (``_StridedShard``); the reset must still
+    leave the constructor's full tensors, and one step must match the constructed model's bit for bit."""
+    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+    constructed = _fully_shard(_mlp(mesh, seed), mesh)
+    with torch.device("meta"):
+        model = _fully_shard(_mlp(mesh, seed), mesh)
+    model.to_empty(device=_dist.device())
+    for i, layer in enumerate((model[0], model[2])):
+        torch.manual_seed(seed + i)
+        layer.reset_parameters()
+    want = dict(constructed.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.device_mesh.mesh_dim_names == ("dp", "tp") and p.placements == want[name].placements, name
+        assert torch.equal(p.full_tensor(), want[name].full_tensor()), f"{name} differs from the constructed model"
+
+    x = torch.randn(BATCH, SEQ, K)
+    grads = []
+    for m in (model, constructed):
+        with torch.no_grad():
+            for layer in (m[0], m[2]):
+                layer.lora_B.weight.to_local().fill_(0.5)  # B = 0 would hide the LoRA path
+        m(x).square().mean().backward()
+        grads.append({n: p.grad.full_tensor() for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 4
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]) and g.any(), name
+
+
+def test_meta_built_fsdp2_tp_model_initialises_and_steps_like_the_constructed_one():
+    _dist.run_ranks(DP * TP, _meta_init_under_fsdp_tp, 7)

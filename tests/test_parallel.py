@@ -461,6 +461,58 @@ def test_init_is_independent_of_tp_size_and_comes_from_rank_0(world_size):
     _dist.run_ranks(world_size, _init_independent_of_tp, 7)
 
 
+def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
+    """torchtitan's flow: build on the meta device, ``to_empty()``, then ``reset_parameters()``. The full tensors
+    must be the constructor's (so independent of the TP size), and rank 0's draw whatever the other ranks'
+    generators; the ranks must agree on the dropout seed, drawn for real at construction."""
+    mesh, rank = _dist.mesh(), dist.get_rank()
+    cfg = _config(dropout=0.25)
+    for cls, (fan_in, fan_out) in ((ColumnParallelLoRALinear, (K, H)), (RowParallelLoRALinear, (H, N))):
+        torch.manual_seed(seed)
+        ref = LoRALinear(fan_in, fan_out, cfg, bias=True)
+        with torch.device("meta"):
+            in_context = cls(fan_in, fan_out, cfg, mesh, bias=True)
+            sharded_in_place = cls.from_lora_linear(LoRALinear(fan_in, fan_out, cfg, bias=True), mesh)
+        built = {
+            "device context": in_context,
+            "device='meta'": cls(fan_in, fan_out, cfg, mesh, bias=True, device="meta"),
+            "from_lora_linear": sharded_in_place,
+        }
+        for how, layer in built.items():
+            what = f"{cls.kind} built with {how}"
+            assert all(isinstance(p, DTensor) and p.is_meta for p in layer.parameters()), what
+            width = fan_in // (mesh.size() if cls.kind == "row" else 1)
+            with pytest.raises(RuntimeError, match=r"on the meta device; materialize them first with to_empty"):
+                layer(torch.randn(BATCH, SEQ, width))
+            layer.to_empty(device=_dist.device())
+            torch.manual_seed(seed + rank)  # rank 0's draw must win
+            layer.reset_parameters()
+            for name in ("weight", "bias", "lora_A.weight", "lora_B.weight"):
+                got = layer.get_parameter(name)
+                assert got.placements == (getattr(LAYOUTS[cls.kind], name.split(".")[0]),), f"{what}: {name}"
+                assert torch.equal(got.full_tensor(), ref.get_parameter(name)), f"{what}: {name} differs"
+            assert layer.lora_A.weight.requires_grad and not layer.weight.requires_grad, what
+            _dist.assert_same_on_all_ranks(torch.tensor([layer._seed_base]), f"{what}: dropout seed base")
+            # It runs like the constructed layer: the same output and adapter gradients.
+            torch.manual_seed(seed)
+            constructed = cls(fan_in, fan_out, cfg, mesh, bias=True)
+            x = torch.randn(BATCH, SEQ, width)
+            results = []
+            for m in (layer, constructed):
+                with torch.no_grad():
+                    m.lora_B.weight.to_local().fill_(0.5)  # B = 0 would hide the LoRA path
+                y = m.eval()(x)
+                y.square().sum().backward()
+                results.append([y, m.lora_A.weight.grad.to_local(), m.lora_B.weight.grad.to_local()])
+            for got, want, name in zip(*results, ("y", "dA", "dB"), strict=True):
+                assert torch.equal(got, want), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_layers_built_on_the_meta_device_initialise_like_constructed_ones(world_size):
+    _dist.run_ranks(world_size, _meta_built_layers_initialise_like_constructed_ones, 7)
+
+
 def _recording(make_dropout, used: list):
     """Wrap a layer's ``_dropout(k_offset)`` so every ``Dropout`` (or ``None``) it returns is recorded."""
 
@@ -581,11 +633,10 @@ def _bad_inputs_raise() -> None:
         ColumnParallelLoRALinear(K, H, cfg, _dist.mesh((1, 2), ("dp", "tp")))
     with pytest.raises(TypeError, match="DeviceMesh"):
         RowParallelLoRALinear(H, N, cfg, dist.group.WORLD)
-    for device in ("meta", "cuda"):  # "cuda" is rejected before anything is allocated: no GPU needed
-        with pytest.raises(ValueError, match=f"module device {device}.* does not match the mesh's device type 'cpu'"):
-            ColumnParallelLoRALinear(K, H, cfg, mesh, device=device)
-    with pytest.raises(ValueError, match="does not match the mesh's device type 'cpu'"):
-        RowParallelLoRALinear.from_lora_linear(LoRALinear(H, N, cfg, device="meta"), mesh)
+    # "cuda" is rejected before anything is allocated: no GPU needed. ("meta" is accepted: see the meta test.)
+    msg = r"module device cuda.* does not match the mesh's device type 'cpu' \(or 'meta'"
+    with pytest.raises(ValueError, match=msg):
+        ColumnParallelLoRALinear(K, H, cfg, mesh, device="cuda")
 
     col = ColumnParallelLoRALinear(K, H, cfg, mesh)
     row = RowParallelLoRALinear(H, N, cfg, mesh)

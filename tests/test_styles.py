@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -213,6 +214,45 @@ def _lora_plan_matches_reference(sp: bool) -> None:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_lora_plan_of_a_torch_plan_matches_and_keeps_torch_style_for_unadapted_linears(sp):
     _dist.run_ranks(WORLD, _lora_plan_matches_reference, sp)
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "reset_lora_parameters")]
+
+
+def _meta_built_plan_loads_a_full_state_dict(sp: bool) -> None:
+    """torchtitan's flow (docs/tensor_parallel.md): the model and its adapters built on the meta device,
+    parallelized there, materialized with ``to_empty()``, the pretrained base loaded through torch.distributed's
+    ``set_model_state_dict``, fresh adapters from ``reset_lora_parameters()``. The adapters must be the ones
+    the same resets give the unparallelized model; with its full state dict loaded, it must run like it."""
+    mesh = _dist.mesh()
+    _, ref = _lora_block(TARGETS)
+    with torch.device("meta"):
+        model = apply_lora(Block(), LoRAConfig(r=3, alpha=6, target_modules=TARGETS), verbose=False)
+    parallelize_module(model, mesh, lora_plan(_torch_plan(sp)))
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device=_dist.device())
+    base = {k: v for k, v in ref.state_dict().items() if "lora_" not in k}
+    set_model_state_dict(model, base, options=StateDictOptions(full_state_dict=True, strict=False))
+    fresh = copy.deepcopy(ref)
+    for m in (model, fresh):
+        torch.manual_seed(11)
+        for layer in _lora_layers(m):
+            layer.reset_lora_parameters()
+    want = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p
+        assert torch.equal(got, want[name].detach()), f"{name} differs from the unparallelized model's"
+    assert len(_lora_layers(model)) == len(TARGETS)
+
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    assert type(model.attn.q_proj) is ColumnParallelLoRALinear and type(model.mlp.down_proj) is RowParallelLoRALinear
+    _check_against_reference(model, ref, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_a_plan_applied_on_the_meta_device_runs_after_to_empty_and_a_full_state_dict(sp):
+    _dist.run_ranks(WORLD, _meta_built_plan_loads_a_full_state_dict, sp)
 
 
 def test_lora_plan_maps_torch_styles_and_reads_sequence_parallel_from_layouts():
