@@ -578,7 +578,9 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, sp):
     _dist.run_ranks(world_size, _dropout_matches_reference, sp)
 
 
-def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool, sp: bool) -> None:
+def _mlp_step_matches_eager(region: str, sp: bool) -> None:
+    """One dropout step of ``row(gelu(col(x)))`` run through ``region`` gives the plain eager step's output and
+    gradients bit for bit, given the same forward seeds."""
     col, row, _, _ = _tp_pair(F32, sp, dropout=0.4)
     for m in (col, row):
         m.train()
@@ -589,33 +591,50 @@ def _checkpoint_reruns_the_dropout_masks(use_reentrant: bool, sp: bool) -> None:
     def mlp(x: torch.Tensor) -> torch.Tensor:
         return row(F.gelu(col(x)))
 
-    def step(checkpointed: bool) -> list[torch.Tensor]:
+    # Reruns and recompiles must draw the forward's masks; torch.compile must keep the kernels and seeds eager.
+    regions = {
+        "checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=False),
+        "reentrant checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=True),
+        "torch.compile": torch.compile(mlp, backend="aot_eager"),
+        "torch.compile of a checkpoint": torch.compile(lambda x: checkpoint(mlp, x, use_reentrant=False),
+                                                       backend="aot_eager"),
+    }
+
+    def step(run) -> list[torch.Tensor]:
         for m in (col, row):
             m.zero_grad(set_to_none=True)
         x = x_full.clone().requires_grad_(True)
-        y = checkpoint(mlp, x, use_reentrant=use_reentrant) if checkpointed else mlp(x)
+        y = run(x)
         y.backward(dy)
         return [y.detach(), x.grad, *(_full(p.grad) for _, p in _adapters(col, row))]
 
+    # Two steps each: a compiled graph that baked in one call's seed would reuse its masks in the next.
     steps = {m: m._seed_step for m in (col, row)}
     rng = torch.get_rng_state()
-    want = step(checkpointed=False)
+    want = [step(mlp), step(mlp)]
     for m, s in steps.items():  # the same forward seeds again
         m._seed_step = s
     torch.set_rng_state(rng)
-    got = step(checkpointed=True)
+    got = [step(regions[region]), step(regions[region])]
     names = ["y", "x.grad", *(n for n, _ in _adapters(col, row))]
-    for name, g, w in zip(names, got, want, strict=True):
-        assert torch.equal(g, w), f"tp={tp} rank {rank}: {name} differs under activation checkpointing"
-    assert all(m._seed_step == s + 1 for m, s in steps.items()), "the rerun advanced the seed counter"
-    # The check can fail: the next forward draws other masks, and its adapter gradients differ.
-    assert not torch.equal(step(checkpointed=False)[-1], want[-1])
+    for i in range(2):
+        for name, g, w in zip(names, got[i], want[i], strict=True):
+            assert torch.equal(g, w), f"tp={tp} rank {rank}: step {i}: {name} differs under {region}"
+    assert all(m._seed_step == s + 2 for m, s in steps.items()), f"{region} advanced the seed counter more than once"
+    # The check can fail: the second step draws other masks, and its adapter gradients differ.
+    assert not torch.equal(want[0][-1], want[1][-1])
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("region", ["checkpoint", "reentrant checkpoint"])
 @SP
-def test_activation_checkpointing_reruns_the_forward_dropout_masks(use_reentrant, sp):
-    _dist.run_ranks(2, _checkpoint_reruns_the_dropout_masks, use_reentrant, sp)
+def test_activation_checkpointing_reruns_the_forward_dropout_masks(region, sp):
+    _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
+
+
+@pytest.mark.parametrize("region", ["torch.compile", "torch.compile of a checkpoint"])
+@SP
+def test_torch_compile_of_the_tp_layers_with_dropout_matches_eager(region, sp):
+    _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
 
 
 # ------------------------------------------------------------------------------------------ bad input
