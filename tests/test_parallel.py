@@ -465,11 +465,11 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
     """torchtitan's flow: build on the meta device, ``to_empty()``, then ``reset_parameters()``. The full tensors
     must be the constructor's (so independent of the TP size), and rank 0's draw whatever the other ranks'
     generators; the ranks must agree on the dropout seed, drawn for real at construction."""
-    mesh, rank = _dist.mesh(), dist.get_rank()
+    mesh, rank, device = _dist.mesh(), dist.get_rank(), _dist.device()
     cfg = _config(dropout=0.25)
     for cls, (fan_in, fan_out) in ((ColumnParallelLoRALinear, (K, H)), (RowParallelLoRALinear, (H, N))):
         torch.manual_seed(seed)
-        ref = LoRALinear(fan_in, fan_out, cfg, bias=True)
+        ref = LoRALinear(fan_in, fan_out, cfg, bias=True, device=device)
         with torch.device("meta"):
             in_context = cls(fan_in, fan_out, cfg, mesh, bias=True)
             sharded_in_place = cls.from_lora_linear(LoRALinear(fan_in, fan_out, cfg, bias=True), mesh)
@@ -483,8 +483,8 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
             assert all(isinstance(p, DTensor) and p.is_meta for p in layer.parameters()), what
             width = fan_in // (mesh.size() if cls.kind == "row" else 1)
             with pytest.raises(RuntimeError, match=r"on the meta device; materialize them first with to_empty"):
-                layer(torch.randn(BATCH, SEQ, width))
-            layer.to_empty(device=_dist.device())
+                layer(torch.randn(BATCH, SEQ, width, device=device))
+            layer.to_empty(device=device)
             torch.manual_seed(seed + rank)  # rank 0's draw must win
             layer.reset_parameters()
             for name in ("weight", "bias", "lora_A.weight", "lora_B.weight"):
@@ -492,11 +492,12 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
                 assert got.placements == (getattr(LAYOUTS[cls.kind], name.split(".")[0]),), f"{what}: {name}"
                 assert torch.equal(got.full_tensor(), ref.get_parameter(name)), f"{what}: {name} differs"
             assert layer.lora_A.weight.requires_grad and not layer.weight.requires_grad, what
-            _dist.assert_same_on_all_ranks(torch.tensor([layer._seed_base]), f"{what}: dropout seed base")
+            seed_base = torch.tensor([layer._seed_base], device=device)
+            _dist.assert_same_on_all_ranks(seed_base, f"{what}: dropout seed base")
             # It runs like the constructed layer: the same output and adapter gradients.
             torch.manual_seed(seed)
             constructed = cls(fan_in, fan_out, cfg, mesh, bias=True)
-            x = torch.randn(BATCH, SEQ, width)
+            x = torch.randn(BATCH, SEQ, width, device=device)
             results = []
             for m in (layer, constructed):
                 with torch.no_grad():
@@ -694,3 +695,10 @@ def test_gpu_nccl_triton_bf16_mlp_matches_single_device_fp64(world_size, sp):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_gpu_nccl_activation_collectives_run_in_bf16(world_size):
     _dist.run_ranks(world_size, _collective_dtypes, BF16, True, backend="nccl")
+
+
+@gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gpu_nccl_layers_built_on_the_meta_device_initialise_like_constructed_ones(world_size):
+    """The seed is drawn on the current CUDA device at construction; the resets draw on it too."""
+    _dist.run_ranks(world_size, _meta_built_layers_initialise_like_constructed_ones, 7, backend="nccl")
