@@ -51,6 +51,19 @@ def make_dropout(
     return Dropout(p=config.dropout, seed=seeds(fresh), position=config.dropout_position, k_offset=k_offset)
 
 
+class LoRAFactor(nn.Linear):
+    """``lora_A`` or ``lora_B``: a bias-free ``nn.Linear`` holding one adapter factor (PEFT's names and keys).
+
+    The owning LoRA layer initialises it (``reset_lora_parameters``: A at its global shape, B zeros), so its own
+    ``reset_parameters`` draws nothing. Otherwise the usual meta-device recipe, ``reset_parameters()`` on every
+    module after ``to_empty()``, would redraw B like a weight (the update would not start at zero), and the
+    constructor would draw from the generator an init it then overwrites.
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class LoRALinear(nn.Module):
     """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
 
@@ -77,11 +90,9 @@ class LoRALinear(nn.Module):
     def _add_adapters(self) -> None:
         w, r = self.weight, self.config.r
         lora_dtype = self.config.lora_dtype or w.dtype
-        # skip_init: nn.Linear's own init would draw from the generator before reset_lora_parameters, so a
-        # module reset after to_empty() would not match one built directly with the same seed.
         factory = {"bias": False, "dtype": lora_dtype, "device": w.device}
-        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, r, **factory)
-        self.lora_B = nn.utils.skip_init(nn.Linear, r, self.out_features, **factory)
+        self.lora_A = LoRAFactor(self.in_features, r, **factory)
+        self.lora_B = LoRAFactor(r, self.out_features, **factory)
         self.merged = False
         self.adapter_enabled = True
         self._call_seeds = CallSeeds()

@@ -129,7 +129,9 @@ def _meta_init_under_fsdp_tp(seed: int) -> None:
     model.to_empty(device=_dist.device())
     for i, layer in enumerate((model[0], model[2])):
         torch.manual_seed(seed + i)
-        layer.reset_parameters()
+        for m in layer.modules():  # the usual recipe: the layer's reset, then its factors' (which draw nothing)
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
     want = dict(constructed.named_parameters())
     for name, p in model.named_parameters():
         assert p.device_mesh.mesh_dim_names == ("dp", "tp") and p.placements == want[name].placements, name

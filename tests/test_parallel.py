@@ -486,7 +486,9 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
                 layer(torch.randn(BATCH, SEQ, width, device=device))
             layer.to_empty(device=device)
             torch.manual_seed(seed + rank)  # rank 0's draw must win
-            layer.reset_parameters()
+            for m in layer.modules():  # the usual recipe: the layer's reset, then its factors' (which draw nothing)
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
             for name in ("weight", "bias", "lora_A.weight", "lora_B.weight"):
                 got = layer.get_parameter(name)
                 assert got.placements == (getattr(LAYOUTS[cls.kind], name.split(".")[0]),), f"{what}: {name}"
