@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import LoRAConfig
 from .dropout import CallSeeds, Dropout
@@ -39,6 +40,23 @@ def init_base_weight_(weight: torch.Tensor, generator: torch.Generator | None = 
     """``nn.Linear``'s default init of a *global* ``W [out, in]`` in place: kaiming_uniform_(a=sqrt(5))."""
     with torch.no_grad():
         return nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+
+
+def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Initialise ``param`` in place with ``init`` applied to its *global* tensor.
+
+    A DTensor (a tensor-parallel layer's shard, FSDP2's, or both) has its global tensor drawn whole on every
+    rank, and keeps the shard that rank 0's draw would hand this rank (``distribute_tensor`` onto its own mesh
+    and placements, ``src_data_rank=0``): the values depend neither on the sharding nor on other ranks'
+    generators, and every rank must call it. A plain tensor is the global tensor.
+    """
+    with torch.no_grad():
+        if not isinstance(param, DTensor):
+            init(param)
+            return
+        local = param.to_local()
+        full = init(torch.empty(param.shape, dtype=param.dtype, device=local.device))
+        local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
 
 
 def make_dropout(
@@ -116,26 +134,20 @@ class LoRALinear(nn.Module):
         in its order. This initialises a module built on the meta device, after ``to_empty()``; with the same
         seed it gives the values the constructor would have. ``generator`` must be on the parameters' device."""
         self._check_unmerged("reset_parameters")
-        self._fill_global(self.weight, lambda w: init_base_weight_(w, generator))
+        fill_global_(self.weight, lambda w: init_base_weight_(w, generator))
         if self.bias is not None:
-            self._fill_global(self.bias, nn.init.zeros_)
+            fill_global_(self.bias, nn.init.zeros_)
         self.reset_lora_parameters(generator)
 
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
         """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
         self._check_unmerged("reset_lora_parameters")
-        self._fill_global(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
-        self._fill_global(self.lora_B.weight, nn.init.zeros_)
+        fill_global_(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
+        fill_global_(self.lora_B.weight, nn.init.zeros_)
 
     def _check_unmerged(self, what: str) -> None:
         if self.merged:
             raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
-
-    @staticmethod
-    def _fill_global(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Initialise ``param`` with ``init`` applied to its global tensor; here it *is* the global tensor."""
-        with torch.no_grad():
-            init(param)
 
     @property
     def scale(self) -> float:

@@ -21,7 +21,7 @@ come from one autograd node (``comm.adapter_shards``), and a one-rank group issu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -172,21 +172,11 @@ class _ParallelLoRALinear(nn.Module):
         self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
         self._seed_step = 0
 
-    # Initialisation (e.g. after building on the meta device and ``to_empty()``): LoRALinear's methods, with
-    # every global tensor drawn whole on each rank and rank 0's values kept (``_fill_global``).
+    # Initialisation after building on the meta device and ``to_empty()``: LoRALinear's, through
+    # ``fill_global_``, which draws each DTensor's global tensor and keeps rank 0's values.
     reset_parameters = LoRALinear.reset_parameters
     reset_lora_parameters = LoRALinear.reset_lora_parameters
     _check_unmerged = LoRALinear._check_unmerged
-
-    @staticmethod
-    def _fill_global(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Draw the DTensor ``param``'s *global* tensor with ``init`` and keep the shard rank 0 would hand this
-        rank, so the values depend on neither the TP size nor other ranks' generators. Any mesh and
-        placements: FSDP2's over the TP layout too."""
-        with torch.no_grad():
-            local = param.to_local()
-            full = init(torch.empty(param.shape, dtype=param.dtype, device=local.device))
-            local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
 
     # -- helpers -------------------------------------------------------------------------------------------
     @property

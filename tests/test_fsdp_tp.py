@@ -6,6 +6,9 @@ reduce-scatter of the per-rank gradients computes), with the same ``clip_grad_no
 each rank's loss, every adapter gradient (``.full_tensor()`` over both mesh dims) and the total gradient
 norm; after training: adapter weights, and the frozen base bitwise unchanged.
 
+Built on the meta device instead (torchtitan's order), the same models, and single-device ``LoRALinear``s under
+FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets.
+
 Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
 differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
 """
@@ -104,12 +107,17 @@ def test_fsdp2_over_dp_with_lora_tp_layers_trains_like_single_device_fp64():
 
 
 def _mlp(mesh, seed: int) -> nn.Sequential:
-    """Column -> gelu -> row on ``mesh['tp']``, each layer built right after ``manual_seed(seed + i)``."""
+    """Column -> gelu -> row on ``mesh['tp']`` (single-device ``LoRALinear``s when the mesh has no tp dim),
+    each layer built right after ``manual_seed(seed + i)``."""
     cfg = LoRAConfig(r=R, alpha=6)
-    torch.manual_seed(seed)
-    col = ColumnParallelLoRALinear(K, H, cfg, mesh["tp"], bias=True)
-    torch.manual_seed(seed + 1)
-    return nn.Sequential(col, nn.GELU(), RowParallelLoRALinear(H, N, cfg, mesh["tp"], bias=True))
+    layers = []
+    for i, (cls, fan_in, fan_out) in enumerate(((ColumnParallelLoRALinear, K, H), (RowParallelLoRALinear, H, N))):
+        torch.manual_seed(seed + i)
+        if "tp" in mesh.mesh_dim_names:
+            layers.append(cls(fan_in, fan_out, cfg, mesh["tp"], bias=True))
+        else:
+            layers.append(LoRALinear(fan_in, fan_out, cfg, bias=True))
+    return nn.Sequential(layers[0], nn.GELU(), layers[1])
 
 
 def _fully_shard(model: nn.Sequential, mesh) -> nn.Sequential:
@@ -118,23 +126,24 @@ def _fully_shard(model: nn.Sequential, mesh) -> nn.Sequential:
     return fully_shard(model, mesh=mesh["dp"])
 
 
-def _meta_init_under_fsdp_tp(seed: int) -> None:
-    """torchtitan's order: build on meta, tensor-parallel layers, ``fully_shard``, ``to_empty()``, then each
-    layer's ``reset_parameters()``. FSDP2 shards TP-sharded dims again (``_StridedShard``); the reset must still
-    leave the constructor's full tensors, and one step must match the constructed model's bit for bit."""
-    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+def _meta_init_under_fsdp(seed: int, tp: bool) -> None:
+    """torchtitan's order: build on meta, tensor-parallel layers (if ``tp``), ``fully_shard``, ``to_empty()``,
+    then ``reset_parameters()`` on every module of each layer (the usual recipe; every rank seeded differently).
+    FSDP2 shards TP-sharded dims again (``_StridedShard``); the reset must still leave the constructor's full
+    tensors (rank 0's draw), and one step must match the constructed model's bit for bit."""
+    mesh = _dist.mesh((DP, TP), ("dp", "tp")) if tp else _dist.mesh((DP,), ("dp",))
     constructed = _fully_shard(_mlp(mesh, seed), mesh)
     with torch.device("meta"):
         model = _fully_shard(_mlp(mesh, seed), mesh)
     model.to_empty(device=_dist.device())
     for i, layer in enumerate((model[0], model[2])):
-        torch.manual_seed(seed + i)
-        for m in layer.modules():  # the usual recipe: the layer's reset, then its factors' (which draw nothing)
+        torch.manual_seed(seed + i + 100 * dist.get_rank())  # rank 0's draw must win
+        for m in layer.modules():  # the layer's reset, then its factors' (which draw nothing)
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
     want = dict(constructed.named_parameters())
     for name, p in model.named_parameters():
-        assert p.device_mesh.mesh_dim_names == ("dp", "tp") and p.placements == want[name].placements, name
+        assert p.device_mesh.mesh_dim_names == mesh.mesh_dim_names and p.placements == want[name].placements, name
         assert torch.equal(p.full_tensor(), want[name].full_tensor()), f"{name} differs from the constructed model"
 
     x = torch.randn(BATCH, SEQ, K)
@@ -151,4 +160,8 @@ def _meta_init_under_fsdp_tp(seed: int) -> None:
 
 
 def test_meta_built_fsdp2_tp_model_initialises_and_steps_like_the_constructed_one():
-    _dist.run_ranks(DP * TP, _meta_init_under_fsdp_tp, 7)
+    _dist.run_ranks(DP * TP, _meta_init_under_fsdp, 7, True)
+
+
+def test_meta_built_fsdp2_model_of_single_device_lora_layers_initialises_like_the_constructed_one():
+    _dist.run_ranks(DP, _meta_init_under_fsdp, 7, False)
