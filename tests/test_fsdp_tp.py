@@ -7,7 +7,9 @@ each rank's loss, every adapter gradient (``.full_tensor()`` over both mesh dims
 norm; after training: adapter weights, and the frozen base bitwise unchanged.
 
 Built on the meta device instead (torchtitan's order), the same models, and single-device ``LoRALinear``s under
-FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets.
+FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets. And the whole
+torchtitan recipe at once (meta, ``lora_plan`` with SP, activation checkpointing, ``torch.compile``, FSDP2,
+a full state dict, dropout) must train bit for bit like the same model built plainly.
 
 Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
 differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
@@ -15,16 +17,28 @@ differs only in summation order (tp partial sums, the dp average). Frozen weight
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import _dist
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear
+from parallel_lora import (
+    ColumnParallelLoRALinear,
+    LoRAConfig,
+    LoRALinear,
+    RowParallelLoRALinear,
+    apply_lora,
+    lora_plan,
+)
 
 F64 = torch.float64
 K, H, N, R = 16, 24, 16, 3
@@ -165,3 +179,80 @@ def test_meta_built_fsdp2_tp_model_initialises_and_steps_like_the_constructed_on
 
 def test_meta_built_fsdp2_model_of_single_device_lora_layers_initialises_like_the_constructed_one():
     _dist.run_ranks(DP, _meta_init_under_fsdp, 7, False)
+
+
+# ------------------------------------------------------------------------------------ the torchtitan recipe
+class _Block(nn.Module):
+    """Pre-norm residual MLP: ``x + down(gelu(up(norm(x))))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(K), nn.Linear(K, H), nn.Linear(H, K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _recipe_model(mesh, *, meta: bool, recipe: bool) -> nn.Module:
+    """Two blocks with LoRA dropout, TP with SP through ``lora_plan``, FSDP2; with ``recipe``, each block is also
+    activation-checkpointed and compiled (torchtitan's order: TP, AC, compile, FSDP)."""
+    cfg = LoRAConfig(r=R, alpha=6, dropout=0.1, target_modules=("up", "down"))
+    plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
+    torch.manual_seed(99)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = apply_lora(nn.Sequential(_Block(), _Block()), cfg, verbose=False)
+    for i, block in enumerate(model):
+        parallelize_module(block, mesh["tp"], lora_plan(plan))
+        if recipe:
+            model[i] = torch.compile(checkpoint_wrapper(block), backend="aot_eager")
+    for block in model:
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, ColumnParallelLoRALinear | RowParallelLoRALinear)]
+
+
+def _torchtitan_recipe_trains_like_the_plain_model(steps: int = 3) -> None:
+    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    plain = _recipe_model(mesh, meta=False, recipe=False)
+    torch.manual_seed(5)
+    for layer in _lora_layers(plain):
+        layer.reset_lora_parameters()
+    model = _recipe_model(mesh, meta=True, recipe=True)
+    model.to_empty(device=_dist.device())
+    pretrained = get_model_state_dict(plain, options=StateDictOptions(full_state_dict=True))
+    base = {k: v for k, v in pretrained.items() if "lora_" not in k}
+    set_model_state_dict(model, base, options=StateDictOptions(full_state_dict=True, strict=False))
+    torch.manual_seed(5)
+    for layer in _lora_layers(model):
+        layer.reset_lora_parameters()
+    for ours, theirs in zip(_lora_layers(model), _lora_layers(plain), strict=True):
+        ours._seed_base = theirs._seed_base  # drawn at construction: meta and direct builds draw it apart
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} differs after the recipe's init"
+
+    losses = []
+    for m in (plain, model):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=2e-2)
+        torch.manual_seed(11)
+        losses.append([])
+        for _ in range(steps):
+            x_all = torch.randn(DP, BATCH, SEQ, K)  # the same on every rank; each dp rank takes its batch
+            y = m(x_all[dp_rank].chunk(TP, dim=1)[tp_rank])  # SP: this tp rank's sequence shard
+            loss = y.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[-1].append(loss.item())
+    assert losses[0] == losses[1], f"losses differ: plain {losses[0]}, recipe {losses[1]}"
+    assert len(set(losses[0])) == steps, "training did not move the loss"
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} differs after {steps} steps"
+
+
+def test_torchtitan_recipe_meta_sp_checkpoint_compile_fsdp2_trains_like_the_plain_model():
+    _dist.run_ranks(DP * TP, _torchtitan_recipe_trains_like_the_plain_model)
