@@ -1,8 +1,10 @@
 """Merging adapters into the base weight, and base-only forwards.
 
 ``merge_lora`` folds ``s * B A`` into ``W`` shard by shard (no communication): a column shard updates
-``W_i += s B_i A`` and a row shard ``W_i += s B A_i``. The pre-merge local weight is kept, so
-``unmerge_lora`` restores it bit for bit rather than subtracting in low precision.
+``W_i += s B_i A`` and a row shard ``W_i += s B A_i``. Under FSDP2 each rank updates its FSDP shard of W
+the same way, with A gathered over the data-parallel dims (one all-gather of ``[r, K]`` per layer). The
+pre-merge local weight is kept, so ``unmerge_lora`` restores it bit for bit rather than subtracting in low
+precision.
 """
 
 from __future__ import annotations
@@ -12,12 +14,42 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from .layers import lora_modules
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _merge_factors(name: str, m: nn.Module, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, A)`` as local tensors whose product lines up with ``w``, this rank's shard of W.
+
+    On the layer's own layout (one device, or its TP shards) they are the local shards. FSDP2 also shards
+    every parameter's dim 0 over its data-parallel mesh dims: W's and B's rows (both ``out``) alike, but A's
+    rows are r, so A is gathered over those dims and keeps only its tensor-parallel placement.
+    """
+    a, b = m.lora_A.weight, _local(m.lora_B.weight)
+    if isinstance(a, DTensor):
+        own = getattr(m, "mesh", None)  # a tensor-parallel layer's 1-D mesh
+        if a.device_mesh is not own:
+            tp = own.mesh_dim_names[0] if own is not None and own.mesh_dim_names else None
+            names = a.device_mesh.mesh_dim_names or (None,) * a.device_mesh.ndim
+            if own is not None and (tp is None or tp not in names):
+                raise ValueError(
+                    f"merge_lora: '{name}' holds A on a mesh with dims {names}, which does not name its "
+                    f"tensor-parallel dim {tp!r}; build the meshes with mesh_dim_names"
+                )
+            keep = [p if n == tp else Replicate() for n, p in zip(names, a.placements, strict=True)]
+            a = a.redistribute(a.device_mesh, keep)
+        a = a.to_local()
+    if b.shape[0] != w.shape[0] or a.shape[1] != w.shape[1] or b.shape[1] != a.shape[0]:
+        raise ValueError(
+            f"merge_lora: '{name}': B {tuple(b.shape)} @ A {tuple(a.shape)} does not line up with this rank's "
+            f"W shard {tuple(w.shape)}; the parameters are sharded in a layout merge_lora does not know"
+        )
+    return b, a
 
 
 @torch.no_grad()
@@ -34,9 +66,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 f"merge_lora: '{name}' is in training mode with dropout={m.config.dropout}; a merged layer has no "
                 "LoRA dropout. Call model.eval() first (or use dropout=0)."
             )
-    for _, m in modules:
+    for name, m in modules:
         w = _local(m.weight)
-        a, b = _local(m.lora_A.weight), _local(m.lora_B.weight)
+        b, a = _merge_factors(name, m, w)
         m._weight_before_merge = w.clone()
         delta = (b.to(torch.float32) @ a.to(torch.float32)) * m.scale
         w.copy_((w.to(torch.float32) + delta).to(w.dtype))

@@ -21,6 +21,7 @@ import contextlib
 import copy
 
 import _dist
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +39,8 @@ from parallel_lora import (
     RowParallelLoRALinear,
     apply_lora,
     lora_plan,
+    merge_lora,
+    unmerge_lora,
 )
 
 F64 = torch.float64
@@ -179,6 +182,36 @@ def test_meta_built_fsdp2_tp_model_initialises_and_steps_like_the_constructed_on
 
 def test_meta_built_fsdp2_model_of_single_device_lora_layers_initialises_like_the_constructed_one():
     _dist.run_ranks(DP, _meta_init_under_fsdp, 7, False)
+
+
+def _merge_under_fsdp(tp: bool) -> None:
+    """``merge_lora`` on FSDP2's shards: each rank folds ``s B A`` into its shard of W (A gathered over dp), so
+    the merged model computes the adapted function; ``unmerge_lora`` restores every shard bit for bit."""
+    mesh = _dist.mesh((DP, TP), ("dp", "tp")) if tp else _dist.mesh((DP,), ("dp",))
+    model = _mlp(mesh, 7)
+    for layer in (model[0], model[2]):
+        with torch.no_grad():
+            b = layer.lora_B.weight
+            (b.to_local() if isinstance(b, DTensor) else b).normal_(0.0, 0.5)  # B = 0 would merge nothing
+    model = _fully_shard(model, mesh).eval()
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    x = torch.randn(BATCH, SEQ, K)
+    y = model(x)
+    merge_lora(model)
+    for layer, name in ((model[0], "0"), (model[2], "2")):
+        assert layer.merged, name
+        w, a, b = (before[f"{name}.{n}"] for n in ("weight", "lora_A.weight", "lora_B.weight"))
+        want = w + layer.scale * b @ a
+        _close(layer.weight.full_tensor(), want, f"merged {name}.weight")
+    _close(model(x), y, "merged output")
+    unmerge_lora(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), before[n]), f"{n} not restored by unmerge_lora"
+
+
+@pytest.mark.parametrize("tp", [True, False], ids=["fsdp2-tp", "fsdp2"])
+def test_merge_lora_under_fsdp2_folds_each_shard_and_unmerge_restores_it(tp):
+    _dist.run_ranks(DP * TP if tp else DP, _merge_under_fsdp, tp)
 
 
 # ------------------------------------------------------------------------------------ the torchtitan recipe
