@@ -188,7 +188,8 @@ class CallSeeds:
                 "LoRA dropout: a forward call inside the backward pass (an activation-checkpoint rerun) matches none "
                 f"of this layer's last {self.KEPT} forward calls, so it cannot draw its forward's mask again (dB "
                 "would be computed under another mask). Either the checkpoint did not restore the CPU generator "
-                "(use preserve_rng_state=True, the default of torch.utils.checkpoint), or more calls of this "
+                "(use preserve_rng_state=True, the default of torch.utils.checkpoint; torchtitan's "
+                "activation_checkpoint.preserve_rng_state defaults to False), or more calls of this "
                 "layer ran between a forward and its rerun (raise parallel_lora.dropout.CallSeeds.KEPT)."
             )
         return seed
