@@ -41,7 +41,8 @@ def forward(
     y = F.linear(x, weight, bias)
     xa = _drop(x.to(lora_A.dtype), dropout, "pre") @ lora_A.t()
     s_lora = _drop(xa, dropout, "post") * scale
-    y += (s_lora @ lora_B.t().to(s_lora.dtype)).to(y.dtype)
+    # Out of place: selective activation checkpointing may cache F.linear's output and refuses a mutated one.
+    y = y + (s_lora @ lora_B.t().to(s_lora.dtype)).to(y.dtype)
     return y, s_lora
 
 

@@ -8,12 +8,13 @@ of the module path) and the distributions named in ``LoRAConfig.init_A``'s docst
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel_lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
 from parallel_lora.dropout import CallSeeds
@@ -345,6 +346,24 @@ def test_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant)
 def test_gpu_activation_checkpointing_reruns_the_forward_dropout_mask(use_reentrant):
     # The fused kernels, and the rerun on autograd's device thread.
     _checkpointing_reruns_the_forward_dropout_mask(use_reentrant, "cuda", torch.bfloat16)
+
+
+def _save_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """A selective-checkpoint policy like torchtitan's: keep matmul outputs, recompute the rest."""
+    if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_selective_checkpointing_that_saves_matmuls_reruns_the_forward_dropout_mask(backend):
+    # The eager path used to add the LoRA term into F.linear's output in place, which a selective checkpoint
+    # that cached that output refused ("Tensor cached during selective activation checkpoint has been mutated").
+    cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, backend=backend)
+    model, x = _two_lora_layers(cfg, nn.GELU(), (16, 12, 8), "cpu")
+    context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    selective = lambda m, x: checkpoint(m, x, use_reentrant=False, context_fn=context)  # noqa: E731
+    _assert_same_step_as_eager(model, x, selective, "under selective checkpointing")
 
 
 def test_a_checkpoint_rerun_without_the_forwards_rng_state_raises():
