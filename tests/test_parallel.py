@@ -47,7 +47,7 @@ from _reference import lora_reference
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, no_sync
 from parallel_lora.dropout import Dropout, keep_mask
@@ -581,6 +581,17 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, sp):
     _dist.run_ranks(world_size, _dropout_matches_reference, sp)
 
 
+def _save_matmuls_context():
+    """Selective activation checkpointing like torchtitan's op-level policy: keep matmul outputs, recompute the rest."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     """One dropout step of ``row(gelu(col(x)))`` run through ``region`` gives the plain eager step's output and
     gradients bit for bit, given the same forward seeds."""
@@ -598,6 +609,7 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     regions = {
         "checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=False),
         "reentrant checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=True),
+        "selective checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=False, context_fn=_save_matmuls_context),
         "torch.compile": torch.compile(mlp, backend="aot_eager"),
         "torch.compile of a checkpoint": torch.compile(lambda x: checkpoint(mlp, x, use_reentrant=False),
                                                        backend="aot_eager"),
@@ -628,7 +640,7 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     assert not torch.equal(want[0][-1], want[1][-1])
 
 
-@pytest.mark.parametrize("region", ["checkpoint", "reentrant checkpoint"])
+@pytest.mark.parametrize("region", ["checkpoint", "reentrant checkpoint", "selective checkpoint"])
 @SP
 def test_activation_checkpointing_reruns_the_forward_dropout_masks(region, sp):
     _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
