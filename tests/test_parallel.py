@@ -423,6 +423,35 @@ def test_sequence_parallel_column_saves_only_its_local_x_shard(world_size, dtype
     _dist.run_ranks(world_size, _sp_column_saves_local_shard, dtype)
 
 
+def _sequence_first_sp_matches_plain_tp() -> None:
+    """Megatron's ``[s, b, h]`` layout: SP along ``sequence_dim=0`` gives plain TP's output, input gradient and
+    adapter gradients (dropout on: the masks follow the flattened rows, whatever dim is sharded)."""
+    mesh, tp, rank = _dist.mesh(), dist.get_world_size(), dist.get_rank()
+    cfg = _config(dropout=0.3)
+    results = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        col = ColumnParallelLoRALinear(K, H, cfg, mesh, bias=True, sequence_parallel=sp, sequence_dim=0)
+        row = RowParallelLoRALinear(H, N, cfg, mesh, bias=True, sequence_parallel=sp, sequence_dim=0)
+        with torch.no_grad():
+            for layer in (col, row):
+                layer.lora_B.weight.to_local().copy_(torch.randn(layer.lora_B.weight.to_local().shape))
+        torch.manual_seed(1)
+        x_full = torch.randn(SEQ, BATCH, K)
+        x = (x_full.chunk(tp, dim=0)[rank] if sp else x_full).clone().requires_grad_(True)
+        y = row(F.gelu(col(x)))
+        y.square().sum().backward()  # under SP, the ranks' local losses sum to the full one
+        gather = (lambda t: torch.cat(_dist.all_gather_object(t.detach()), dim=0)) if sp else (lambda t: t.detach())
+        results[sp] = [gather(y), gather(x.grad), _full(col.lora_A.weight.grad), _full(row.lora_B.weight.grad)]
+    for name, got, want in zip(("y", "x.grad", "column dA", "row dB"), results[True], results[False], strict=True):
+        _close(got, want, F32, f"sequence_dim=0 SP against plain TP: {name}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_along_dim_0_matches_plain_tensor_parallel(world_size):
+    _dist.run_ranks(world_size, _sequence_first_sp_matches_plain_tp)
+
+
 def _init_independent_of_tp(seed: int) -> None:
     mesh, rank = _dist.mesh(), dist.get_rank()
     cfg = _config()
