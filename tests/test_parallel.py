@@ -555,11 +555,14 @@ def _recording(make_dropout, used: list):
     return wrapped
 
 
-def _dropout_matches_reference(sp: bool) -> None:
+def _dropout_matches_reference(sp: bool, position: str) -> None:
     p = 0.4
     col, row, col_ref, row_ref = _tp_pair(F32, sp, dropout=p)
     tp, rank = dist.get_world_size(), dist.get_rank()
     for layer, ref, kind in ((col, col_ref, "column"), (row, row_ref, "row")):
+        # "post" masks x A^T [M, r]: whole on every column rank, a partial sum on each row rank (the same
+        # mask on every rank, so masking the partials masks their sum).
+        layer.config = dataclasses.replace(layer.config, dropout_position=position)
         layer.train()
         used: list[Dropout | None] = []
         layer._dropout = _recording(layer._dropout, used)
@@ -593,7 +596,8 @@ def _dropout_matches_reference(sp: bool) -> None:
             _close(x.grad, dx_ref, F32, f"{kind} call {call}: x.grad")
             _close(layer.lora_A.weight.grad.full_tensor(), r.dA, F32, f"{kind} call {call}: dA")
             _close(layer.lora_B.weight.grad.full_tensor(), r.dB, F32, f"{kind} call {call}: dB")
-            if kind == "row" and rank > 0:  # the check can fail: the shard's mask is not the un-offset one
+            assert d.position == position, f"{kind}: dropout position {d.position}"
+            if kind == "row" and rank > 0 and position == "pre":  # the check can fail: not the un-offset mask
                 shape = (BATCH * SEQ, fan_in // tp, "cpu")
                 assert not torch.equal(keep_mask(d, *shape), keep_mask(full_mask, *shape))
         assert seeds[0] != seeds[1], f"{kind}: two forwards reused one dropout seed"
@@ -605,9 +609,10 @@ def _dropout_matches_reference(sp: bool) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("position", ["pre", "post"])
 @SP
-def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, sp):
-    _dist.run_ranks(world_size, _dropout_matches_reference, sp)
+def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, position, sp):
+    _dist.run_ranks(world_size, _dropout_matches_reference, sp, position)
 
 
 def _save_matmuls_context():
