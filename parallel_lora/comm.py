@@ -160,7 +160,13 @@ class _AdapterShards(torch.autograd.Function):
         # Grad mode is off in here, so to_local() is the local tensor itself; views give autograd fresh
         # tensor objects to attach its metadata to.
         a, b = lora_A.to_local(), lora_B.to_local()
-        return a.view_as(a), b.view_as(b)
+        a, b = a.view_as(a), b.view_as(b)
+        # A Function's outputs all require grad by default: a frozen factor (e.g. A in LoRA-FA) would then
+        # have its gradient computed and, replicated, all-reduced, only for autograd to drop it.
+        frozen = [t for t, p in ((a, lora_A), (b, lora_B)) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return a, b
 
     @staticmethod
     def backward(ctx, da, db):

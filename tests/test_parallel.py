@@ -348,6 +348,34 @@ def test_collectives_per_phase_are_the_base_layers_plus_one_adapter_grad_reducti
     _dist.run_ranks(world_size, _collective_counts, sp)
 
 
+def _frozen_replicated_factor_adds_no_collective(sp: bool) -> None:
+    """Freezing the replicated factor (A of a column layer, as LoRA-FA does; B of a row layer) leaves the base
+    layer's collectives alone: no gradient is computed for it, nor all-reduced. The other factor's gradient is
+    unchanged."""
+    tp = dist.get_world_size()
+    x_col = _seq_shard(torch.randn(BATCH, SEQ, K), sp).requires_grad_(True)
+    x_row = torch.randn(BATCH, SEQ, H // tp, requires_grad=True)
+    for kind, index, x in (("column", 0, x_col), ("row", 1, x_row)):
+        layers = _tp_pair(F32, sp)
+        trained = copy.deepcopy(layers[index])
+        layer = layers[index]
+        replicated = getattr(layer, LAYOUTS[kind].replicated_factor).weight
+        replicated.requires_grad_(False)
+        other = "lora_B" if LAYOUTS[kind].replicated_factor == "lora_A" else "lora_A"
+        got = _phase_counts([layer], x)
+        assert got == BASE[kind, sp], f"{kind} (sp={sp}), replicated factor frozen: {got}, expected {BASE[kind, sp]}"
+        assert replicated.grad is None, f"{kind}: the frozen factor got a gradient"
+        _phase_counts([trained], x)
+        want = getattr(trained, other).weight.grad
+        _close(getattr(layer, other).weight.grad.full_tensor(), want.full_tensor(), F32, f"{kind}: {other}.grad")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@SP
+def test_a_frozen_replicated_factor_adds_no_collective(world_size, sp):
+    _dist.run_ranks(world_size, _frozen_replicated_factor_adds_no_collective, sp)
+
+
 def _one_rank_issues_no_collective(sp: bool) -> None:
     col, row, _, _ = _tp_pair(F32, sp)
     x = torch.randn(BATCH, SEQ, K, requires_grad=True)
