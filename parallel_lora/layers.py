@@ -186,13 +186,20 @@ def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
 
 
 def iter_target_linears(model: nn.Module, config: LoRAConfig) -> Iterator[tuple[str, nn.Linear]]:
-    """``(dotted name, module)`` of every plain ``nn.Linear`` in ``model`` that ``config.target_modules`` selects."""
-    adapted = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    """``(dotted name, module)`` of every ``nn.Linear`` in ``model`` that ``config.target_modules`` selects,
+    subclasses included (``apply_lora`` adapts only the plain ones; see ``_skipped_subclass``)."""
     for name, module in model.named_modules():
-        # An adapter's own lora_A/lora_B are nn.Linears too: never adapt them (apply_lora called twice).
-        inside_lora = any(name.startswith(prefix + ".") for prefix in adapted)
-        if type(module) is nn.Linear and name and not inside_lora and _matches(name, config.target_modules):
-            yield name, module
+        # An adapter's own lora_A/lora_B (LoRAFactor) are nn.Linears too: never adapt them.
+        if isinstance(module, nn.Linear) and not isinstance(module, LoRAFactor) and name:
+            if _matches(name, config.target_modules):
+                yield name, module
+
+
+def _skipped_subclass(module: nn.Linear) -> bool:
+    """An ``nn.Linear`` subclass may compute something else than ``x W^T + b`` in its forward (quantized,
+    fp8, or a weight read by its parent, like ``nn.MultiheadAttention``'s ``out_proj``), which ``LoRALinear``
+    would silently drop: such modules are left as they are and reported."""
+    return type(module) is not nn.Linear
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -207,12 +214,15 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
     Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}``.
     Raises ``ValueError`` (listing some module names) when nothing matches.
     """
-    matched = list(iter_target_linears(model, config))
+    selected = list(iter_target_linears(model, config))
+    matched = [(n, m) for n, m in selected if not _skipped_subclass(m)]
+    skipped = [f"{n} ({type(m).__name__})" for n, m in selected if _skipped_subclass(m)]
     if not matched:
-        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear][:8]
+        note = f"; matched but left alone, as nn.Linear subclasses: {skipped[:8]}" if skipped else ""
         raise ValueError(
             f"apply_lora: no nn.Linear matches target_modules={config.target_modules!r}; "
-            f"linear modules in this model include {linears or 'none'}"
+            f"plain nn.Linear modules in this model include {linears or 'none'}{note}"
         )
     for p in model.parameters():
         p.requires_grad_(False)
@@ -220,12 +230,16 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
         _set_submodule(model, name, LoRALinear.from_linear(linear_module, config))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    model.lora_summary = {"modules": [n for n, _ in matched], "trainable": trainable, "total": total}
+    model.lora_summary = {
+        "modules": [n for n, _ in matched], "skipped": skipped, "trainable": trainable, "total": total,
+    }
     if verbose:
         print(
             f"apply_lora: {len(matched)} modules adapted; trainable params: {trainable:,} / {total:,} "
             f"({100.0 * trainable / max(total, 1):.4f}%)"
         )
+        if skipped:
+            print(f"apply_lora: left alone {len(skipped)} matching nn.Linear subclasses: {skipped[:8]}")
     return model
 
 

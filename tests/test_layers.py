@@ -268,6 +268,26 @@ def test_apply_lora_without_a_match_lists_the_linears():
     assert "gate_proj" in message and "layers.0.attn.q_proj" in message
 
 
+class _ScaledLinear(nn.Linear):
+    """An nn.Linear subclass whose forward is not x W^T + b: replacing it with a LoRALinear would drop the x2."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_apply_lora_leaves_linear_subclasses_alone_and_reports_them():
+    model = nn.Sequential(nn.Linear(4, 4), _ScaledLinear(4, 4), nn.MultiheadAttention(4, 2))
+    x = torch.randn(3, 4)
+    want = model[1](x)
+    apply_lora(model, LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+    assert isinstance(model[0], LoRALinear) and type(model[1]) is _ScaledLinear
+    assert model.lora_summary["modules"] == ["0"]
+    assert model.lora_summary["skipped"] == ["1 (_ScaledLinear)", "2.out_proj (NonDynamicallyQuantizableLinear)"]
+    assert torch.equal(model[1](x), want)
+    with pytest.raises(ValueError, match=r"matched but left alone, as nn.Linear subclasses: \['0 \(_ScaledLinear\)'\]"):
+        apply_lora(nn.Sequential(_ScaledLinear(4, 4)), LoRAConfig(r=2, target_modules=("0",)), verbose=False)
+
+
 def test_adamw_step_changes_only_adapter_parameters():
     model = apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear", backend="torch"), verbose=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
