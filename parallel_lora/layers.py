@@ -42,6 +42,11 @@ def init_base_weight_(weight: torch.Tensor, generator: torch.Generator | None = 
         return nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Initialise ``param`` in place with ``init`` applied to its *global* tensor.
 
@@ -136,14 +141,16 @@ class LoRALinear(nn.Module):
         self._check_unmerged("reset_parameters")
         fill_global_(self.weight, lambda w: init_base_weight_(w, generator))
         if self.bias is not None:
-            fill_global_(self.bias, nn.init.zeros_)
+            with torch.no_grad():
+                local_tensor(self.bias).zero_()  # zeros need no draw, so no rank-0 scatter either
         self.reset_lora_parameters(generator)
 
     def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
         """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
         self._check_unmerged("reset_lora_parameters")
         fill_global_(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
-        fill_global_(self.lora_B.weight, nn.init.zeros_)
+        with torch.no_grad():
+            local_tensor(self.lora_B.weight).zero_()
 
     def _check_unmerged(self, what: str) -> None:
         if self.merged:

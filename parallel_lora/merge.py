@@ -16,11 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from .layers import lora_modules
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from .layers import local_tensor, lora_modules
 
 
 def _merge_factors(name: str, m: nn.Module, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +26,7 @@ def _merge_factors(name: str, m: nn.Module, w: torch.Tensor) -> tuple[torch.Tens
     every parameter's dim 0 over its data-parallel mesh dims: W's and B's rows (both ``out``) alike, but A's
     rows are r, so A is gathered over those dims and keeps only its tensor-parallel placement.
     """
-    a, b = m.lora_A.weight, _local(m.lora_B.weight)
+    a, b = m.lora_A.weight, local_tensor(m.lora_B.weight)
     if isinstance(a, DTensor):
         own = getattr(m, "mesh", None)  # a tensor-parallel layer's 1-D mesh
         if a.device_mesh is not own:
@@ -67,7 +63,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 "LoRA dropout. Call model.eval() first (or use dropout=0)."
             )
     for name, m in modules:
-        w = _local(m.weight)
+        w = local_tensor(m.weight)
         b, a = _merge_factors(name, m, w)
         m._weight_before_merge = w.clone()
         delta = (b.to(torch.float32) @ a.to(torch.float32)) * m.scale
@@ -81,7 +77,7 @@ def unmerge_lora(model: nn.Module) -> nn.Module:
     """Undo ``merge_lora`` exactly (restores each layer's pre-merge local weight)."""
     for _, m in lora_modules(model):
         if m.merged:
-            _local(m.weight).copy_(m._weight_before_merge)
+            local_tensor(m.weight).copy_(m._weight_before_merge)
             del m._weight_before_merge
             m.merged = False
     return model
