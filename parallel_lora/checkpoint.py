@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .config import LoRAConfig
 from .layers import lora_modules
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -126,6 +127,51 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     _barrier()
 
 
+# PEFT ``LoraConfig`` fields that make an adapter compute something other than ``s * B A x`` on a plain linear
+# layer (LoRA variants, extra trained tensors, other modules), with the value that leaves the math alone.
+_PEFT_PLAIN = {
+    "use_dora": False,
+    "lora_bias": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "layer_replication": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "kasa_config": None,
+    "monteclora_config": None,
+    "arrow_config": None,
+}
+
+
+def _check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
+    """Refuse a PEFT config that turns on what ``LoRALinear`` does not compute (DoRA, aLoRA, a LoRA bias...)."""
+    found = {k: file_config[k] for k, plain in _PEFT_PLAIN.items() if file_config.get(k, plain) not in (plain, [], {})}
+    if found:
+        raise ValueError(
+            f"load_adapter: {config_path} uses PEFT features parallel_lora does not implement: {found} "
+            f"(plain LoRA needs {({k: _PEFT_PLAIN[k] for k in found})})"
+        )
+
+
+def _check_patterns(file_config: dict[str, Any], config_path: Path, names: list[str], config: LoRAConfig) -> None:
+    """Refuse per-module ranks or alphas (PEFT's ``rank_pattern`` / ``alpha_pattern``) that differ from the
+    model's one ``LoRAConfig``: a different alpha would load with the wrong scale and no shape to catch it.
+    A module's pattern key is the first that matches the end of its path, as PEFT's ``get_pattern_key``."""
+    for field, want in (("rank_pattern", config.r), ("alpha_pattern", config.alpha)):
+        pattern = file_config.get(field) or {}
+        for name in names:
+            key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", name)), None)
+            if key is not None and float(pattern[key]) != float(want):
+                raise ValueError(
+                    f"load_adapter: {config_path} has {field}[{key!r}] = {pattern[key]} for module '{name}'; "
+                    f"parallel_lora layers share one LoRAConfig, and the model has "
+                    f"{'r' if field == 'rank_pattern' else 'alpha'}={want}"
+                )
+
+
 def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Load adapters saved by ``save_adapter`` or by PEFT into ``model``, at any TP size.
 
@@ -163,6 +209,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         raise ValueError(
             f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, model has {config.use_rslora}"
         )
+    _check_plain_lora(file_config, config_path)
+    _check_patterns(file_config, config_path, [name for name, _ in modules], config)
 
     # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
     normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}

@@ -100,6 +100,54 @@ def test_we_load_an_adapter_peft_saved(tmp_path):
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-6)
 
 
+def test_peft_alpha_pattern_that_changes_a_scale_is_refused_not_loaded_with_the_wrong_one(tmp_path):
+    # The tensors have the shapes the model expects, so only the config says q_proj's scale is 32 / 4, not 8 / 4.
+    peft = pytest.importorskip("peft")
+    base = _base()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), alpha_pattern={"q_proj": 32})
+    peft.get_peft_model(copy.deepcopy(base), cfg).save_pretrained(tmp_path)
+    model = _adapted(base, seed=9)
+    before = _adapter_state(model)
+    with pytest.raises(ValueError, match=r"alpha_pattern\['q_proj'\] = 32 for module '0.q_proj'.*alpha=8"):
+        load_adapter(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [{"alpha_pattern": {"q_proj": 8}, "rank_pattern": {"up_proj": 4}}, {"alpha_pattern": {"head": 64}}],
+    ids=["same_values", "unadapted_module"],
+)
+def test_peft_patterns_that_agree_with_the_model_load(tmp_path, pattern):
+    base = _base()
+    saved = _adapted(base, seed=1)
+    save_adapter(saved, tmp_path)
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **pattern}))
+    model = _adapted(base, seed=2)
+    load_adapter(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in _adapter_state(saved).items())
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [{"use_dora": True}, {"lora_bias": True}, {"bias": "lora_only"}, {"modules_to_save": ["head"]},
+     {"alora_invocation_tokens": [5, 6]}, {"rank_pattern": {"down_proj": 2}}],
+    ids=lambda f: next(iter(f)),
+)
+def test_adapter_using_a_peft_feature_we_do_not_compute_is_refused_by_name(tmp_path, feature):
+    # Same tensors as a plain adapter: the refusal must come from the config, not from a key or shape check.
+    base = _base()
+    save_adapter(_adapted(base, seed=1), tmp_path)
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **feature}))
+    model = _adapted(base, seed=2)
+    before = _adapter_state(model)
+    with pytest.raises(ValueError, match=next(iter(feature))):
+        load_adapter(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 def test_round_trip_restores_adapters_exactly(tmp_path):
     base = _base()
     saved = _adapted(base, seed=1)
