@@ -293,9 +293,7 @@ def save_checkpoint(
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        # Dropout seed counters of the parallel layers, so a resumed run draws the same masks.
-        seed_steps = {n: m._seed_step for n, m in lora_modules(model) if hasattr(m, "_seed_step")}
-        meta = {"step": step, "extra": extra or {}, "dropout_seed_steps": seed_steps}
+        meta = {"step": step, "extra": extra or {}}
         (tmp / "meta.json").write_text(json.dumps(meta))
         (tmp / ".complete").write_text("")
         shutil.rmtree(final, ignore_errors=True)
@@ -314,6 +312,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if not (path / ".complete").is_file():
         raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
     model_state, optim_state = _trainable_state(model, optimizer)
+    # A checkpoint of single-device LoRALinears has no dropout stream for the parallel layers: they keep theirs.
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model_state = {k: v for k, v in model_state.items() if not k.endswith("_extra_state") or f"model.{k}" in saved}
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
@@ -326,9 +327,4 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    meta = json.loads((path / "meta.json").read_text())
-    seed_steps = meta.get("dropout_seed_steps", {})
-    for name, m in lora_modules(model):
-        if name in seed_steps and hasattr(m, "_seed_step"):
-            m._seed_step = seed_steps[name]
-    return meta
+    return json.loads((path / "meta.json").read_text())

@@ -46,6 +46,11 @@ from .layouts import LAYOUTS
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: successive steps get well-spread seeds
 
+try:  # what set_model_state_dict passes for a module's extra state that a full state dict lacks
+    from torch.distributed.checkpoint.state_dict import _EXTRA_STATE as _DSD_NO_STATE
+except ImportError:  # a torch without it passes nothing of the kind
+    _DSD_NO_STATE = ()
+
 
 def _check_mesh(mesh: DeviceMesh) -> None:
     if not isinstance(mesh, DeviceMesh):
@@ -166,11 +171,7 @@ class _ParallelLoRALinear(nn.Module):
         seed_device = _rank_device(mesh) if weight.is_meta else weight.device
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=seed_device)
         seed = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
-        # Different TP groups (data-parallel replicas) see different rows: give each its own stream, keyed by
-        # the global rank of the group's first member, so replicas do not share masks.
-        group_id = int(mesh.mesh.flatten()[0].item())
-        self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
-        self._seed_step = 0
+        self._set_seed_stream(seed, 0)
 
     # Initialisation after building on the meta device and ``to_empty()``: LoRALinear's, through
     # ``fill_global_``, which draws each DTensor's global tensor and keeps rank 0's values.
@@ -194,6 +195,41 @@ class _ParallelLoRALinear(nn.Module):
         """The dropout of this forward call (``None`` in eval mode or at p = 0): the next seed of the stream every
         rank advances alike, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
         return make_dropout(self.config, self.training, self._call_seeds, self._next_seed, k_offset)
+
+    def _set_seed_stream(self, seed: int, step: int) -> None:
+        # Different TP groups (data-parallel replicas) see different rows: give each its own stream, keyed by
+        # the global rank of the group's first member, so replicas do not share masks.
+        group_id = int(self.mesh.mesh.flatten()[0].item())
+        self._seed, self._seed_step = seed, step
+        self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
+
+    # The dropout stream (the agreed seed and the call counter) is part of the module's state dict, so any
+    # checkpointer (torch.distributed.checkpoint, torchtitan's, torch.save) resumes the masks where they were,
+    # whatever the seed drawn at construction. Every rank holds the same value: DCP may keep one copy.
+    def get_extra_state(self) -> torch.Tensor:
+        """The dropout stream ``[seed, calls so far]`` (int64, CPU)."""
+        return torch.tensor([self._seed, self._seed_step], dtype=torch.int64)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        if isinstance(state, _DSD_NO_STATE):
+            return  # set_model_state_dict's stand-in for a full state dict without this key: keep the stream
+        if not isinstance(state, torch.Tensor) or state.shape != (2,) or state.dtype != torch.int64:
+            got = f"{state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) else state
+            raise ValueError(
+                f"{type(self).__name__}: extra state must be the dropout stream, an int64 tensor [seed, step]; "
+                f"got {got}"
+            )
+        seed, step = state.tolist()
+        self._set_seed_stream(seed, step)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args) -> None:
+        # A state dict without the stream (one saved from single-device LoRALinears, or before the stream was
+        # state) still loads strictly: the layer keeps its own stream.
+        before = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+        key = prefix + "_extra_state"
+        if key in missing_keys[before:]:
+            missing_keys.remove(key)
 
     def _next_seed(self, tag: int) -> int:
         # The tag is this rank's own CPU draw: ranks agree on the counter, not on their generators.

@@ -104,6 +104,43 @@ def test_training_checkpoint_saved_at_tp2_resumes_at_tp4(tmp_path):
             assert torch.equal(got_moments[name], t), name
 
 
+class SinglePair(nn.Module):
+    """``Pair`` of single-device ``LoRALinear``s: the same names, plain tensors, no dropout stream."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.up, self.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+
+
+def _resume_from_single_rank(root, adapters, moments):
+    model = Pair(mesh(), seed=5)
+    stream = [layer.get_extra_state() for layer in (model.up, model.down)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    assert load_checkpoint(latest_checkpoint(root), model, opt)["step"] == 1
+    for name, t in adapters.items():
+        assert torch.equal(model.get_parameter(name).full_tensor(), t), name
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), moments[name]), name
+    # the checkpoint has no dropout stream for them: the layers keep their own
+    assert all(torch.equal(layer.get_extra_state(), s) for layer, s in zip((model.up, model.down), stream, strict=True))
+
+
+def test_training_checkpoint_of_single_device_layers_resumes_on_tp_layers(tmp_path):
+    model = SinglePair()
+    with torch.no_grad():
+        for layer in (model.up, model.down):
+            layer.lora_B.weight.normal_()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.down(model.up(torch.randn(4, 8))).square().mean().backward()
+    opt.step()
+    save_checkpoint(tmp_path, model, opt, step=1)  # one process, no process group
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    moments = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters() if p.requires_grad}
+    run_ranks(2, _resume_from_single_rank, str(tmp_path), adapters, moments)
+
+
 def _merge_rank():
     with torch.no_grad():
         return _merge_and_unmerge()

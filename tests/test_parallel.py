@@ -643,6 +643,59 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, position
     _dist.run_ranks(world_size, _dropout_matches_reference, sp, position)
 
 
+def _dropout_stream_rides_the_state_dict() -> None:
+    """A layer's dropout stream (the agreed seed and its call counter) is module state: a layer built with
+    another seed, on the meta device or not, draws the saved layer's next masks once it loads the state dict.
+    Checkpointers may keep one copy for all ranks (DCP does): loaded everywhere from global rank 0, the
+    stream keeps tp ranks in agreement and data-parallel replicas apart."""
+    mesh = _dist.mesh((2, 2), ("dp", "tp"))["tp"]
+    cfg = LoRAConfig(r=R, alpha=6, dropout=0.3)
+    torch.manual_seed(1)
+    saved = ColumnParallelLoRALinear(K, H, cfg, mesh).train()
+    x = torch.randn(BATCH, SEQ, K)
+    for _ in range(3):
+        saved(x)
+    torch.manual_seed(2 + dist.get_rank())
+    with torch.device("meta"):
+        resumed = ColumnParallelLoRALinear(K, H, cfg, mesh).train()
+    resumed.to_empty(device=_dist.device())
+
+    def next_seed(layer: nn.Module) -> int:
+        used: list[Dropout | None] = []
+        layer._dropout, make = _recording(layer._dropout, used), layer._dropout
+        layer(x)
+        layer._dropout = make
+        return used[0].seed
+
+    state = saved.state_dict()
+    assert torch.equal(state["_extra_state"], torch.tensor([saved._seed, 3]))
+    want = next_seed(saved)
+    assert next_seed(resumed) != want, "the check below could not fail"
+    resumed.load_state_dict(state)
+    assert next_seed(resumed) == want
+    # A state dict without the stream (saved before it was state) still loads strictly, keeping the layer's own.
+    own = resumed.get_extra_state()
+    resumed.load_state_dict({k: v for k, v in state.items() if k != "_extra_state"})
+    assert torch.equal(resumed.get_extra_state(), own)
+
+    # One copy for every rank, as DCP writes a replicated value once.
+    dist.broadcast(state["_extra_state"], src=0)
+    for layer in (saved, resumed):
+        layer.set_extra_state(state["_extra_state"])
+    seeds = _dist.all_gather_object([next_seed(saved), next_seed(resumed)])
+    dp_groups = [[seeds[0], seeds[1]], [seeds[2], seeds[3]]]  # global ranks (0, 1) and (2, 3) form the tp groups
+    assert all(a == b for a, b in dp_groups), f"tp ranks disagree on the dropout seed: {seeds}"
+    assert dp_groups[0][0] != dp_groups[1][0], f"data-parallel replicas share dropout masks: {seeds}"
+    assert seeds[0][0] == seeds[0][1], "layers that loaded one stream drew apart"
+
+    with pytest.raises(ValueError, match=r"int64 tensor \[seed, step\]; got torch.float32 tensor of shape \(2,\)"):
+        resumed.set_extra_state(torch.zeros(2))
+
+
+def test_dropout_stream_rides_the_state_dict():
+    _dist.run_ranks(4, _dropout_stream_rides_the_state_dict)
+
+
 def _save_matmuls_context():
     """Selective activation checkpointing like torchtitan's op-level policy: keep matmul outputs, recompute the rest."""
 
