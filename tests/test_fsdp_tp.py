@@ -9,7 +9,8 @@ norm; after training: adapter weights, and the frozen base bitwise unchanged.
 Built on the meta device instead (torchtitan's order), the same models, and single-device ``LoRALinear``s under
 FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets. And the whole
 torchtitan recipe at once (meta, ``lora_plan`` with SP, activation checkpointing, ``torch.compile``, FSDP2,
-a full state dict, dropout) must train bit for bit like the same model built plainly.
+a full state dict, dropout) must train bit for bit like the same model built plainly, and resume from its own
+state dicts through DCP (torchtitan's checkpointing) like the uninterrupted run.
 
 Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
 differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
@@ -287,3 +288,54 @@ def _torchtitan_recipe_trains_like_the_plain_model(steps: int = 3) -> None:
 
 def test_torchtitan_recipe_meta_sp_checkpoint_compile_fsdp2_trains_like_the_plain_model():
     _dist.run_ranks(DP * TP, _torchtitan_recipe_trains_like_the_plain_model)
+
+
+def _recipe_resumes_from_its_own_state_dict(root: str, steps: int = 2) -> None:
+    """torchtitan's checkpointing (the model's and the optimizer's state dicts through DCP, nothing of ours) on
+    the recipe model: a run rebuilt on the meta device and resumed from step ``steps`` draws the masks the
+    uninterrupted run drew, so its next losses and adapters match bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _recipe_model(mesh, meta=True, recipe=True)
+        model.to_empty(device=_dist.device())
+        torch.manual_seed(5)
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+
+    def step(model, opt, i: int) -> float:
+        torch.manual_seed(1000 + i)  # the data of step i
+        x_all = torch.randn(DP, BATCH, SEQ, K)
+        loss = model(x_all[dp_rank].chunk(TP, dim=1)[tp_rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = build()
+    for i in range(steps):
+        step(model, opt, i)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=root)
+    want = [step(model, opt, i) for i in range(steps, 2 * steps)]
+
+    resumed, resumed_opt = build()
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=root)
+    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = [step(resumed, resumed_opt, i) for i in range(steps, 2 * steps)]
+    assert got == want, f"resumed losses {got} != uninterrupted {want}"
+    for (name, p), q in zip(resumed.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} differs after resuming"
+
+
+def test_torchtitan_style_resume_of_the_recipe_reproduces_the_uninterrupted_run(tmp_path):
+    _dist.run_ranks(DP * TP, _recipe_resumes_from_its_own_state_dict, str(tmp_path))
+
