@@ -63,8 +63,27 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+# Path components that wrappers insert without changing what the model computes: torch.compile's
+# ``_orig_mod``, activation checkpointing's ``_checkpoint_wrapped_module`` and FSDP1's ``_fsdp_wrapped_module``
+# (names torch reserves), and ``module`` when the parent is DDP or DataParallel.
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _unwrapped_name(model: nn.Module, name: str) -> str:
+    """``name`` as the unwrapped model spells it, the path PEFT's keys use."""
+    kept, module = [], model
+    for part in name.split("."):
+        ddp = isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+        if not (part in _WRAPPER_PARTS or (part == "module" and ddp)):
+            kept.append(part)
+        module = getattr(module, part)
+    return ".".join(kept)
+
+
 def _adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    modules = list(lora_modules(model))
+    """Every LoRA layer of ``model`` by its unwrapped name (adapter files are keyed by the model's own paths,
+    whatever compile, checkpoint or DDP wrappers the training run put around its parts)."""
+    modules = [(_unwrapped_name(model, name), m) for name, m in lora_modules(model)]
     if not modules:
         raise ValueError("the model has no LoRA layers (run apply_lora or build it from parallel_lora layers)")
     return modules

@@ -148,6 +148,36 @@ def test_adapter_using_a_peft_feature_we_do_not_compute_is_refused_by_name(tmp_p
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
+def test_adapter_keys_are_the_unwrapped_models_under_compile_checkpoint_and_data_parallel(tmp_path):
+    # Training wraps parts of the model (torchtitan: checkpoint_wrapper, then torch.compile); the file must
+    # still name the plain model's modules, or PEFT finds none of its keys and loads nothing.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    peft = pytest.importorskip("peft")
+    base = _base()
+    ours = _adapted(base)
+    wrapped = nn.DataParallel(torch.compile(nn.Sequential(checkpoint_wrapper(ours[0]), torch.compile(ours[1]))))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_modules())
+    save_adapter(wrapped, tmp_path)
+    plain_dir = tmp_path / "plain"
+    save_adapter(ours, plain_dir)
+    assert load_file(tmp_path / ADAPTER_WEIGHTS).keys() == load_file(plain_dir / ADAPTER_WEIGHTS).keys()
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(theirs(x), ours(x), atol=1e-6, rtol=1e-6)
+    # and back into the wrapped model from the plain file
+    other = _adapted(base, seed=4)
+    load_adapter(nn.DataParallel(torch.compile(other)), plain_dir)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in _adapter_state(ours).items())
+
+
+def test_a_plain_submodule_named_module_keeps_its_name_in_adapter_keys(tmp_path):
+    model = nn.Module()
+    model.module = _adapted(_base())  # not a DDP wrapper: part of the model's own path
+    save_adapter(model, tmp_path)
+    assert "base_model.model.module.0.q_proj.lora_A.weight" in load_file(tmp_path / ADAPTER_WEIGHTS)
+
+
 def test_round_trip_restores_adapters_exactly(tmp_path):
     base = _base()
     saved = _adapted(base, seed=1)
