@@ -167,7 +167,7 @@ _PEFT_PLAIN = {
 
 def _check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
     """Refuse a PEFT config that turns on what ``LoRALinear`` does not compute (DoRA, aLoRA, a LoRA bias...)."""
-    found = {k: file_config[k] for k, plain in _PEFT_PLAIN.items() if file_config.get(k, plain) not in (plain, [], {})}
+    found = {k: file_config[k] for k, plain in _PEFT_PLAIN.items() if file_config.get(k) and file_config[k] != plain}
     if found:
         raise ValueError(
             f"load_adapter: {config_path} uses PEFT features parallel_lora does not implement: {found} "

@@ -115,10 +115,11 @@ def test_peft_alpha_pattern_that_changes_a_scale_is_refused_not_loaded_with_the_
 
 @pytest.mark.parametrize(
     "pattern",
-    [{"alpha_pattern": {"q_proj": 8}, "rank_pattern": {"up_proj": 4}}, {"alpha_pattern": {"head": 64}}],
-    ids=["same_values", "unadapted_module"],
+    [{"alpha_pattern": {"q_proj": 8}, "rank_pattern": {"up_proj": 4}}, {"alpha_pattern": {"head": 64}},
+     {"modules_to_save": [], "use_bdlora": False, "trainable_token_indices": {}, "bias": "none"}],
+    ids=["patterns_with_the_same_values", "pattern_of_an_unadapted_module", "features_spelled_off"],
 )
-def test_peft_patterns_that_agree_with_the_model_load(tmp_path, pattern):
+def test_peft_configs_that_agree_with_the_model_load(tmp_path, pattern):
     base = _base()
     saved = _adapted(base, seed=1)
     save_adapter(saved, tmp_path)
