@@ -35,10 +35,20 @@ class _LoRAStyle(ParallelStyle):
         self.use_local_output, self.fallback = use_local_output, fallback
 
     def _input_placement(self) -> Placement:
+        """What the layer consumes."""
         raise NotImplementedError
 
     def _output_placement(self) -> Placement:
+        """What the layer produces."""
         raise NotImplementedError
+
+    def _given_input_placement(self) -> Placement:
+        """What a plain-tensor input is (the caller's layout); the hook turns it into ``_input_placement``."""
+        return self._input_placement()
+
+    def _wanted_output_placement(self) -> Placement:
+        """What the caller gets; the hook turns ``_output_placement`` into it."""
+        return self._output_placement()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, LoRALinear) and self.fallback is not None:
@@ -51,29 +61,39 @@ class _LoRAStyle(ParallelStyle):
         self.layer_cls.from_lora_linear(
             module, device_mesh, self.sequence_parallel, sequence_dim=self.sequence_dim
         )
-        want_in, out_placement = self._input_placement(), self._output_placement()
+        want_in, given_in = self._input_placement(), self._given_input_placement()
+        out_placement, want_out = self._output_placement(), self._wanted_output_placement()
 
         def to_local_input(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x, *rest = args
+            if not isinstance(x, DTensor) and given_in != want_in:
+                x = DTensor.from_local(x, device_mesh, [given_in], run_check=False)
             if isinstance(x, DTensor):
-                # Accept DTensor activations from other styles (e.g. SequenceParallel norms).
+                # DTensor activations from other styles (e.g. SequenceParallel norms), or a replicated input
+                # of a row layer: this rank's part (a slice, no communication, for Replicate -> Shard).
                 x = x.redistribute(device_mesh, [want_in]).to_local()
             return (x, *rest)
 
         module.register_forward_pre_hook(to_local_input)
-        if not self.use_local_output:
+        if not self.use_local_output or want_out != out_placement:
 
-            def to_dtensor_output(_module: nn.Module, _args: Any, out: Any) -> DTensor:
-                return DTensor.from_local(out, device_mesh, [out_placement], run_check=False)
+            def to_wanted_output(_module: nn.Module, _args: Any, out: Any) -> Any:
+                # The gather of a column layer's output is the layout the plan asked for, not a LoRA collective.
+                out = DTensor.from_local(out, device_mesh, [out_placement], run_check=False)
+                out = out.redistribute(device_mesh, [want_out])
+                return out.to_local() if self.use_local_output else out
 
-            module.register_forward_hook(to_dtensor_output)
+            module.register_forward_hook(to_wanted_output)
         return module
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(sequence_parallel={self.sequence_parallel}, sequence_dim={self.sequence_dim}, "
-            f"use_local_output={self.use_local_output})"
+            f"{self._layout_repr()}use_local_output={self.use_local_output})"
         )
+
+    def _layout_repr(self) -> str:
+        return ""
 
 
 class ColwiseParallelLoRA(_LoRAStyle):
@@ -83,7 +103,10 @@ class ColwiseParallelLoRA(_LoRAStyle):
     Keyword Args:
         sequence_parallel: the input is sharded along ``sequence_dim``; the layer gathers it once.
         sequence_dim: the sequence dimension of the input (torch's ``SequenceParallel`` default, 1).
-        use_local_output: return a plain local tensor (default) rather than a ``Shard(-1)`` DTensor.
+        gather_output: all-gather the output along its last dim, so every rank gets it whole (Megatron's
+            ``gather_output``; torch's ``output_layouts=Replicate()``). Default: each rank keeps its ``out/tp``.
+        use_local_output: return a plain local tensor (default) rather than a DTensor (``Shard(-1)``, or
+            ``Replicate()`` with ``gather_output``).
         fallback: a style applied instead to modules that are not ``LoRALinear`` (``lora_plan`` passes the
             torch style it replaced, so un-adapted linears keep torch's behaviour).
 
@@ -96,28 +119,51 @@ class ColwiseParallelLoRA(_LoRAStyle):
 
     layer_cls = ColumnParallelLoRALinear
 
+    def __init__(self, *, gather_output: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.gather_output = gather_output
+
     def _input_placement(self) -> Placement:
         return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
 
     def _output_placement(self) -> Placement:
         return Shard(-1)
+
+    def _wanted_output_placement(self) -> Placement:
+        return Replicate() if self.gather_output else Shard(-1)
+
+    def _layout_repr(self) -> str:
+        return f"gather_output={self.gather_output}, "
 
 
 class RowwiseParallelLoRA(_LoRAStyle):
     """Row-parallel LoRA: input sharded on the last dim, output replicated (sequence-sharded with
     ``sequence_parallel``). The stored ``[out, in]`` weight is ``Shard(1)``.
 
-    Keyword Args: as ``ColwiseParallelLoRA``; with ``sequence_parallel`` the output is reduce-scattered
-    along ``sequence_dim``.
+    Keyword Args: as ``ColwiseParallelLoRA`` (no ``gather_output``); with ``sequence_parallel`` the output is
+    reduce-scattered along ``sequence_dim``. And:
+        input_is_parallel: the input is this rank's ``in/tp`` slice (default). ``False``: every rank passes the
+            whole input and keeps its slice (Megatron's ``input_is_parallel``; torch's
+            ``input_layouts=Replicate()``).
     """
 
     layer_cls = RowParallelLoRALinear
 
+    def __init__(self, *, input_is_parallel: bool = True, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.input_is_parallel = input_is_parallel
+
     def _input_placement(self) -> Placement:
         return Shard(-1)
 
+    def _given_input_placement(self) -> Placement:
+        return Shard(-1) if self.input_is_parallel else Replicate()
+
     def _output_placement(self) -> Placement:
         return Shard(self.sequence_dim) if self.sequence_parallel else Replicate()
+
+    def _layout_repr(self) -> str:
+        return f"input_is_parallel={self.input_is_parallel}, "
 
 
 class _KeepRequiresGrad(ParallelStyle):
@@ -140,33 +186,66 @@ class _KeepRequiresGrad(ParallelStyle):
         return f"_KeepRequiresGrad({self.style!r})"
 
 
+def _placement(placements: Any) -> Placement:
+    return placements[0] if isinstance(placements, (tuple, list)) else placements
+
+
 def _shard_dim(placements: Any) -> int | None:
-    placement = placements[0] if isinstance(placements, (tuple, list)) else placements
+    placement = _placement(placements)
     return placement.dim if isinstance(placement, Shard) else None
+
+
+class _Unsupported(ParallelStyle):
+    """A torch style whose layouts the LoRA layers cannot produce: modules ``apply_lora`` left alone keep it,
+    and a ``LoRALinear`` under it is refused by name rather than given another layout."""
+
+    def __init__(self, style: ParallelStyle, reason: str) -> None:
+        super().__init__()
+        self.style, self.reason = style, reason
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, LoRALinear):
+            raise ValueError(f"lora_plan: {self.reason}")
+        return self.style._apply(module, device_mesh)
+
+
+def _lora_style(name: str, style: ColwiseParallel | RowwiseParallel) -> ParallelStyle:
+    """The LoRA style with ``style``'s layouts: each side either the layer's own (sequence-sharded or not)
+    or the one other layout the style can convert to (a gathered column output, a replicated row input)."""
+    colwise = isinstance(style, ColwiseParallel)
+    seq_side, last_side = (style.input_layouts, style.output_layouts) if colwise else (
+        style.output_layouts, style.input_layouts)
+    seq_dim, last = _shard_dim(seq_side), _placement(last_side)
+    kind = "output" if colwise else "input"
+    if not (isinstance(_placement(seq_side), Replicate) or (seq_dim is not None and seq_dim >= 0)) or not (
+        last == Shard(-1) or isinstance(last, Replicate)
+    ):
+        return _Unsupported(style, (
+            f"'{name}': {type(style).__name__}(input_layouts={_placement(style.input_layouts)}, output_layouts="
+            f"{_placement(style.output_layouts)}) on a LoRA layer: its {kind} must be Shard(-1) or Replicate(), "
+            f"and its {'input' if colwise else 'output'} Replicate() or Shard(d) along a sequence dim d >= 0"
+        ))
+    common = dict(sequence_parallel=seq_dim is not None, sequence_dim=seq_dim if seq_dim is not None else 1,
+                  use_local_output=style.use_local_output, fallback=style)
+    if colwise:
+        return ColwiseParallelLoRA(gather_output=isinstance(last, Replicate), **common)
+    return RowwiseParallelLoRA(input_is_parallel=not isinstance(last, Replicate), **common)
 
 
 def lora_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """Map a torch TP plan onto the LoRA styles: ``ColwiseParallel`` -> ``ColwiseParallelLoRA`` and
-    ``RowwiseParallel`` -> ``RowwiseParallelLoRA``, with sequence parallelism read off their layouts
-    (a ``Shard(d)`` input of a colwise / output of a rowwise style). Other styles (``SequenceParallel``,
-    ``PrepareModuleInput``, ...) are kept, except that frozen parameters stay frozen.
+    ``RowwiseParallel`` -> ``RowwiseParallelLoRA``, with their layouts: sequence parallelism from a ``Shard(d)``
+    input of a colwise / output of a rowwise style, ``gather_output`` from a colwise ``Replicate()`` output,
+    ``input_is_parallel=False`` from a rowwise ``Replicate()`` input. A LoRA layer under any other layout is
+    refused when the plan is applied. Other styles (``SequenceParallel``, ``PrepareModuleInput``, ...) are
+    kept, except that frozen parameters stay frozen.
 
     Modules under a mapped entry that ``apply_lora`` did not adapt keep the original torch style.
     """
     mapped: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
-        if isinstance(style, ColwiseParallel):
-            dim = _shard_dim(style.input_layouts)
-            mapped[name] = ColwiseParallelLoRA(
-                sequence_parallel=dim is not None, sequence_dim=dim if dim is not None else 1,
-                use_local_output=style.use_local_output, fallback=style,
-            )
-        elif isinstance(style, RowwiseParallel):
-            dim = _shard_dim(style.output_layouts)
-            mapped[name] = RowwiseParallelLoRA(
-                sequence_parallel=dim is not None, sequence_dim=dim if dim is not None else 1,
-                use_local_output=style.use_local_output, fallback=style,
-            )
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            mapped[name] = _lora_style(name, style)
         else:
             mapped[name] = _KeepRequiresGrad(style)
     return mapped

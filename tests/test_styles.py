@@ -216,6 +216,46 @@ def test_lora_plan_of_a_torch_plan_matches_and_keeps_torch_style_for_unadapted_l
     _dist.run_ranks(WORLD, _lora_plan_matches_reference, sp)
 
 
+def _gathered_plan_matches_reference(sp: bool) -> None:
+    """A torch plan whose column layers gather their outputs (``output_layouts=Replicate()``) and whose row
+    layers take whole inputs (``input_layouts=Replicate()``): every rank runs the attention and the SwiGLU
+    product on whole tensors, and each layer's output is what the torch style would hand over."""
+    mesh = _dist.mesh()
+    model, ref = _lora_block(TARGETS)
+    seq_in, seq_out = (Shard(1), Shard(1)) if sp else (None, None)
+    colwise = ColwiseParallel(input_layouts=seq_in, output_layouts=Replicate())
+    rowwise = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_out)
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sp else {}
+    plan |= {f"attn.{p}_proj": colwise for p in "qkv"} | {"attn.o_proj": rowwise}
+    plan |= {"mlp.gate_proj": colwise, "mlp.up_proj": colwise, "mlp.down_proj": rowwise}
+    mapped = lora_plan(plan)
+    assert mapped["attn.q_proj"].gather_output and not mapped["attn.o_proj"].input_is_parallel
+    parallelize_module(model, mesh, mapped)
+    assert type(model.attn.q_proj) is ColumnParallelLoRALinear and type(model.attn.o_proj) is RowParallelLoRALinear
+    x = torch.randn(BATCH, SEQ // (WORLD if sp else 1), D)
+    assert model.attn.q_proj(model.attention_norm(x)).shape[-1] == D, "the column output is not gathered"
+    _check_against_reference(model, ref, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_lora_plan_honours_gathered_column_outputs_and_replicated_row_inputs(sp):
+    _dist.run_ranks(WORLD, _gathered_plan_matches_reference, sp)
+
+
+def _unsupported_layout_is_refused_on_lora_layers_only() -> None:
+    mesh = _dist.mesh()
+    model, _ = _lora_block(("q_proj",))
+    odd = ColwiseParallel(output_layouts=Shard(1))  # a sequence-sharded output: no LoRA layer makes it
+    parallelize_module(model, mesh, lora_plan({"attn.k_proj": odd}))  # a plain linear: torch's style applies
+    assert isinstance(model.attn.k_proj.weight, DTensor)
+    with pytest.raises(ValueError, match=r"'attn.q_proj': ColwiseParallel\(.*output_layouts=S\(1\)\).*Shard\(-1\)"):
+        parallelize_module(model, mesh, lora_plan({"attn.q_proj": odd}))
+
+
+def test_lora_plan_refuses_a_layout_the_lora_layers_cannot_produce():
+    _dist.run_ranks(WORLD, _unsupported_layout_is_refused_on_lora_layers_only)
+
+
 def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "reset_lora_parameters")]
 
