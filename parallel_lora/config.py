@@ -51,7 +51,8 @@ class LoRAConfig:
 
     target_modules: tuple[str, ...] | str = field(default=("q_proj", "k_proj", "v_proj", "o_proj"))
     """Which ``nn.Linear``s ``apply_lora`` adapts: names (matched against the full dotted path or any dotted
-    suffix of it, e.g. the last component), shell-style globs (``"layers.*.mlp.*"``), or ``"all-linear"``."""
+    suffix of it, e.g. the last component), shell-style globs (``"layers.*.mlp.*"``), or ``"all-linear"``
+    (every one but the output projection: ``get_output_embeddings()`` where the model has it, else ``lm_head``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:

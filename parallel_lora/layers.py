@@ -180,7 +180,7 @@ class LoRALinear(nn.Module):
 
 def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
     if targets == "all-linear":
-        # PEFT's "all-linear" leaves the output projection alone.
+        # PEFT's "all-linear" leaves the output projection alone (see iter_target_linears).
         return name.rsplit(".", 1)[-1] != "lm_head"
     if isinstance(targets, str):
         targets = (targets,)
@@ -195,9 +195,13 @@ def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
 def iter_target_linears(model: nn.Module, config: LoRAConfig) -> Iterator[tuple[str, nn.Linear]]:
     """``(dotted name, module)`` of every ``nn.Linear`` in ``model`` that ``config.target_modules`` selects,
     subclasses included (``apply_lora`` adapts only the plain ones; see ``_skipped_subclass``)."""
+    # PEFT's "all-linear" leaves a Hugging Face model's output projection alone, whatever it is called
+    # (GPT-NeoX's is embed_out); _matches drops lm_head by name for other models.
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) and config.target_modules == "all-linear" else None
     for name, module in model.named_modules():
         # An adapter's own lora_A/lora_B (LoRAFactor) are nn.Linears too: never adapt them.
-        if isinstance(module, nn.Linear) and not isinstance(module, LoRAFactor) and name:
+        if isinstance(module, nn.Linear) and not isinstance(module, LoRAFactor) and name and module is not head:
             if _matches(name, config.target_modules):
                 yield name, module
 

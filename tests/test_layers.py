@@ -237,6 +237,24 @@ def test_apply_lora_swaps_exactly_the_matching_linears(targets, expected):
     assert type(model.lm_head) is nn.Linear  # never adapted here, "all-linear" included
 
 
+class _NamedHead(nn.Module):
+    """A Hugging Face-style model whose output projection is not called lm_head (BioGPT, GIT, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.output_projection = nn.Linear(D, D), nn.Linear(D, V)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.output_projection
+
+
+def test_all_linear_leaves_the_output_embeddings_alone_whatever_their_name():
+    model = apply_lora(_NamedHead(), LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+    assert model.lora_summary["modules"] == ["body"]
+    named = apply_lora(_NamedHead(), LoRAConfig(r=2, target_modules=("output_projection",)), verbose=False)
+    assert named.lora_summary["modules"] == ["output_projection"]  # asked for by name: adapted
+
+
 def test_apply_lora_freezes_everything_but_the_adapters():
     model = apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
