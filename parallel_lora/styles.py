@@ -216,14 +216,14 @@ def _lora_style(name: str, style: ColwiseParallel | RowwiseParallel) -> Parallel
     seq_side, last_side = (style.input_layouts, style.output_layouts) if colwise else (
         style.output_layouts, style.input_layouts)
     seq_dim, last = _shard_dim(seq_side), _placement(last_side)
-    kind = "output" if colwise else "input"
-    if not (isinstance(_placement(seq_side), Replicate) or (seq_dim is not None and seq_dim >= 0)) or not (
-        last == Shard(-1) or isinstance(last, Replicate)
-    ):
+    seq_ok = isinstance(_placement(seq_side), Replicate) or (seq_dim is not None and seq_dim >= 0)
+    last_ok = last == Shard(-1) or isinstance(last, Replicate)
+    if not (seq_ok and last_ok):
+        last_kind, seq_kind = ("output", "input") if colwise else ("input", "output")
         return _Unsupported(style, (
             f"'{name}': {type(style).__name__}(input_layouts={_placement(style.input_layouts)}, output_layouts="
-            f"{_placement(style.output_layouts)}) on a LoRA layer: its {kind} must be Shard(-1) or Replicate(), "
-            f"and its {'input' if colwise else 'output'} Replicate() or Shard(d) along a sequence dim d >= 0"
+            f"{_placement(style.output_layouts)}) on a LoRA layer: its {last_kind} must be Shard(-1) or "
+            f"Replicate(), and its {seq_kind} Replicate() or Shard(d) along a sequence dim d >= 0"
         ))
     common = dict(sequence_parallel=seq_dim is not None, sequence_dim=seq_dim if seq_dim is not None else 1,
                   use_local_output=style.use_local_output, fallback=style)
