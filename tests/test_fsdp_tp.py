@@ -10,7 +10,8 @@ Built on the meta device instead (torchtitan's order), the same models, and sing
 FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets. And the whole
 torchtitan recipe at once (meta, ``lora_plan`` with SP, activation checkpointing, ``torch.compile``, FSDP2,
 a full state dict, dropout) must train bit for bit like the same model built plainly, and resume from its own
-state dicts through DCP (torchtitan's checkpointing) like the uninterrupted run.
+state dicts through DCP (torchtitan's checkpointing) like the uninterrupted run. Adapter files hold the full
+tensors under FSDP2 x TP, and load back into both meshes' shards.
 
 Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
 differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -39,8 +41,10 @@ from parallel_lora import (
     LoRALinear,
     RowParallelLoRALinear,
     apply_lora,
+    load_adapter,
     lora_plan,
     merge_lora,
+    save_adapter,
     unmerge_lora,
 )
 
@@ -183,6 +187,29 @@ def test_meta_built_fsdp2_tp_model_initialises_and_steps_like_the_constructed_on
 
 def test_meta_built_fsdp2_model_of_single_device_lora_layers_initialises_like_the_constructed_one():
     _dist.run_ranks(DP, _meta_init_under_fsdp, 7, False)
+
+
+def _adapter_file_round_trip_under_fsdp(root: str) -> None:
+    """``save_adapter`` gathers each adapter over both mesh dims (FSDP2's shards of TP's), ``load_adapter`` keeps
+    each rank's part of both: the file holds the full tensors, and a fresh model gets them back exactly."""
+    mesh = _dist.mesh((DP, TP), ("dp", "tp"))
+    models = [_fully_shard(_mlp(mesh, seed), mesh) for seed in (3, 4)]
+    with torch.no_grad():
+        for layer in (models[0][0], models[0][2]):
+            layer.lora_B.weight.to_local().normal_()  # B = 0 would make a lost B invisible
+    want = {n: p.full_tensor() for n, p in models[0].named_parameters() if "lora_" in n}
+    save_adapter(models[0], root)
+    saved = load_file(f"{root}/adapter_model.safetensors")
+    assert saved.keys() == {f"base_model.model.{n}" for n in want}
+    assert all(torch.equal(saved[f"base_model.model.{n}"], t) for n, t in want.items())
+    load_adapter(models[1], root)
+    for name, p in models[1].named_parameters():
+        if "lora_" in name:
+            assert p.device_mesh.ndim == 2 and torch.equal(p.full_tensor(), want[name]), name
+
+
+def test_adapter_file_saved_and_loaded_under_fsdp2_and_tp_holds_the_full_adapters(tmp_path):
+    _dist.run_ranks(DP * TP, _adapter_file_round_trip_under_fsdp, str(tmp_path))
 
 
 def _merge_under_fsdp(tp: bool) -> None:
