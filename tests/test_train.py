@@ -28,7 +28,7 @@ from model import Transformer, check_tp, config_for  # noqa: E402
 from train import TARGET_MODULES  # noqa: E402
 
 STEPS = 8
-# Dropout on, so resume must also restore the layers' dropout-seed counters to reproduce the masks.
+# Dropout on, so resume must also restore the layers' dropout streams (their state dicts) to reproduce the masks.
 COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--save-every", "3", "--batch-size", "4", "--seq-len", "64",
           "--dropout", "0.1", "--seed", "0"]
 
