@@ -220,9 +220,11 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn.Module:
-    """Swap every matching ``nn.Linear`` for a ``LoRALinear`` in place and freeze everything else.
+    """Swap every matching ``nn.Linear`` for a ``LoRALinear`` in place and freeze everything else, except the
+    adapters of an earlier call (call it again with another config for other modules, e.g. another rank).
 
-    Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}``.
+    Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}`` (the
+    modules this call adapted).
     Raises ``ValueError`` (listing some module names) when nothing matches.
     """
     selected = list(iter_target_linears(model, config))
@@ -235,8 +237,12 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
             f"apply_lora: no nn.Linear matches target_modules={config.target_modules!r}; "
             f"plain nn.Linear modules in this model include {linears or 'none'}{note}"
         )
+    # Freeze the base, but not the adapters of an earlier apply_lora (e.g. another rank for the MLP): whether
+    # those train is already settled.
+    earlier = {id(f.weight) for _, m in lora_modules(model) for f in (m.lora_A, m.lora_B)}
     for p in model.parameters():
-        p.requires_grad_(False)
+        if id(p) not in earlier:
+            p.requires_grad_(False)
     for name, linear_module in matched:
         _set_submodule(model, name, LoRALinear.from_linear(linear_module, config))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -237,6 +237,15 @@ def test_apply_lora_swaps_exactly_the_matching_linears(targets, expected):
     assert type(model.lm_head) is nn.Linear  # never adapted here, "all-linear" included
 
 
+def test_a_second_apply_lora_leaves_the_first_ones_adapters_trainable():
+    model = apply_lora(Toy(), LoRAConfig(r=4, target_modules=ATTN), verbose=False)
+    apply_lora(model, LoRAConfig(r=2, target_modules=MLPS), verbose=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_params(model)) and len(trainable) == 2 * len(ATTN + MLPS)
+    assert model.layers[0].attn.q_proj.config.r == 4 and model.layers[0].mlp.up.config.r == 2
+    assert sorted(model.lora_summary["modules"]) == sorted(MLPS)
+
+
 class _NamedHead(nn.Module):
     """A Hugging Face-style model whose output projection is not called lm_head (BioGPT, GIT, ...)."""
 
