@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .config import LoRAConfig
 from .layers import lora_modules
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -94,24 +94,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def peft_config(model: nn.Module) -> dict[str, Any]:
-    """The ``adapter_config.json`` contents PEFT writes for this model's adapters."""
+    """The ``adapter_config.json`` contents PEFT writes for this model's adapters.
+
+    Layers may differ in ``r`` and ``alpha`` (``apply_lora`` called with several configs): the most common pair
+    is the file's ``r`` / ``lora_alpha``, and every other layer gets a ``rank_pattern`` / ``alpha_pattern``
+    entry keyed by its whole path (escaped, since PEFT reads keys as regular expressions). PEFT has no
+    per-module dropout or rsLoRA, so those must agree across layers."""
     modules = _adapter_modules(model)
-    configs = {(m.config.r, m.config.alpha, m.config.dropout, m.config.use_rslora) for _, m in modules}
-    if len(configs) != 1:
-        raise ValueError(f"save_adapter needs one LoRAConfig (r, alpha, dropout, rslora) for all layers, got {configs}")
-    config = modules[0][1].config
+    shared = {(m.config.dropout, m.config.use_rslora) for _, m in modules}
+    if len(shared) != 1:
+        raise ValueError(
+            "save_adapter: PEFT's format has one lora_dropout and use_rslora for all layers; the model's layers "
+            f"have (dropout, use_rslora) in {sorted(shared)}"
+        )
+    (dropout, use_rslora), = shared
+    (r, alpha), _ = Counter((m.config.r, m.config.alpha) for _, m in modules).most_common(1)[0]
     return {
         "peft_type": "LORA",
         "task_type": None,
         "base_model_name_or_path": None,
         "revision": None,
-        "r": config.r,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
         "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _ in modules}),
         "exclude_modules": None,
         "bias": "none",
-        "use_rslora": config.use_rslora,
+        "use_rslora": use_rslora,
         "use_dora": False,
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -119,8 +128,8 @@ def peft_config(model: nn.Module) -> dict[str, Any]:
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": {re.escape(name): m.config.r for name, m in modules if m.config.r != r},
+        "alpha_pattern": {re.escape(name): m.config.alpha for name, m in modules if m.config.alpha != alpha},
     }
 
 
@@ -175,20 +184,18 @@ def _check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
         )
 
 
-def _check_patterns(file_config: dict[str, Any], config_path: Path, names: list[str], config: LoRAConfig) -> None:
-    """Refuse per-module ranks or alphas (PEFT's ``rank_pattern`` / ``alpha_pattern``) that differ from the
-    model's one ``LoRAConfig``: a different alpha would load with the wrong scale and no shape to catch it.
-    A module's pattern key is the first that matches the end of its path, as PEFT's ``get_pattern_key``."""
-    for field, want in (("rank_pattern", config.r), ("alpha_pattern", config.alpha)):
+def _peft_rank_alpha(file_config: dict[str, Any], name: str) -> tuple[Any, Any, str]:
+    """``(r, lora_alpha, where from)`` that PEFT gives module ``name``: the file's ``r`` / ``lora_alpha``, unless a
+    ``rank_pattern`` / ``alpha_pattern`` key matches the end of its path (the first that does, as PEFT's
+    ``get_pattern_key``)."""
+    r, alpha, source = file_config.get("r"), file_config.get("lora_alpha"), ""
+    for field in ("rank_pattern", "alpha_pattern"):
         pattern = file_config.get(field) or {}
-        for name in names:
-            key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", name)), None)
-            if key is not None and float(pattern[key]) != float(want):
-                raise ValueError(
-                    f"load_adapter: {config_path} has {field}[{key!r}] = {pattern[key]} for module '{name}'; "
-                    f"parallel_lora layers share one LoRAConfig, and the model has "
-                    f"{'r' if field == 'rank_pattern' else 'alpha'}={want}"
-                )
+        key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", name)), None)
+        if key is not None:
+            r, alpha = (pattern[key], alpha) if field == "rank_pattern" else (r, pattern[key])
+            source += f" ({field}[{key!r}])"
+    return r, alpha, source
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
@@ -216,27 +223,28 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
 
     modules = _adapter_modules(model)
-    config = modules[0][1].config
     if file_config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"load_adapter: {config_path} has peft_type={file_config.get('peft_type')!r}, expected 'LORA'")
-    if file_config.get("r") != config.r or float(file_config.get("lora_alpha", -1)) != float(config.alpha):
-        raise ValueError(
-            f"load_adapter: file has r={file_config.get('r')}, lora_alpha={file_config.get('lora_alpha')}; "
-            f"the model has r={config.r}, alpha={config.alpha}"
-        )
-    if bool(file_config.get("use_rslora", False)) != config.use_rslora:
-        raise ValueError(
-            f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, model has {config.use_rslora}"
-        )
     _check_plain_lora(file_config, config_path)
-    _check_patterns(file_config, config_path, [name for name, _ in modules], config)
+    for name, m in modules:
+        r, alpha, source = _peft_rank_alpha(file_config, name)
+        if r != m.config.r or alpha is None or float(alpha) != float(m.config.alpha):
+            raise ValueError(
+                f"load_adapter: {config_path} gives module '{name}' r={r}, lora_alpha={alpha}{source}; "
+                f"the model's layer has r={m.config.r}, alpha={m.config.alpha}"
+            )
+        if bool(file_config.get("use_rslora", False)) != m.config.use_rslora:
+            raise ValueError(
+                f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, module '{name}' has "
+                f"{m.config.use_rslora}"
+            )
 
     # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
     normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}
     plan = []
     expected = set()
     for name, m in modules:
-        shapes = {"lora_A": (config.r, m.in_features), "lora_B": (m.out_features, config.r)}
+        shapes = {"lora_A": (m.config.r, m.in_features), "lora_B": (m.out_features, m.config.r)}
         for factor in _FACTORS:
             key = f"{_PEFT_PREFIX}{name}.{factor}.weight"
             expected.add(key)

@@ -108,7 +108,7 @@ def test_peft_alpha_pattern_that_changes_a_scale_is_refused_not_loaded_with_the_
     peft.get_peft_model(copy.deepcopy(base), cfg).save_pretrained(tmp_path)
     model = _adapted(base, seed=9)
     before = _adapter_state(model)
-    with pytest.raises(ValueError, match=r"alpha_pattern\['q_proj'\] = 32 for module '0.q_proj'.*alpha=8"):
+    with pytest.raises(ValueError, match=r"'0.q_proj' r=4, lora_alpha=32 \(alpha_pattern\['q_proj'\]\).*alpha=8"):
         load_adapter(model, tmp_path)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
@@ -177,6 +177,57 @@ def test_a_plain_submodule_named_module_keeps_its_name_in_adapter_keys(tmp_path)
     model.module = _adapted(_base())  # not a DDP wrapper: part of the model's own path
     save_adapter(model, tmp_path)
     assert "base_model.model.module.0.q_proj.lora_A.weight" in load_file(tmp_path / ADAPTER_WEIGHTS)
+
+
+def _mixed(base, seed=1):
+    """q_proj and up_proj at r=4, alpha=8; down_proj at r=2, alpha=6 (two apply_lora calls), B non-zero."""
+    torch.manual_seed(seed)
+    model = apply_lora(copy.deepcopy(base), LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "up_proj")),
+                       verbose=False)
+    apply_lora(model, LoRAConfig(r=2, alpha=6, target_modules=("down_proj",)), verbose=False)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    return model
+
+
+def test_layers_of_different_ranks_save_with_peft_patterns_that_peft_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    base = _base()
+    ours = _mixed(base)
+    save_adapter(ours, tmp_path)
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert config["rank_pattern"] == {r"0\.down_proj": 2, r"1\.down_proj": 2}
+    assert config["alpha_pattern"] == {r"0\.down_proj": 6, r"1\.down_proj": 6}
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    x = torch.randn(5, 12)
+    want = ours(x)  # large (B ~ N(0, 1)): fp32 rounding of PEFT's other summation order is ~1e-6 of it
+    torch.testing.assert_close(theirs(x), want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)
+    other = _mixed(base, seed=2)
+    load_adapter(other, tmp_path)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in _adapter_state(ours).items())
+    uniform = _adapted(base)  # every layer at r=4: the file's down_proj adapters do not fit
+    with pytest.raises(ValueError, match=r"module '0.down_proj' r=2, lora_alpha=6 \(rank_pattern.*alpha_pattern"):
+        load_adapter(uniform, tmp_path)
+
+
+def test_we_load_a_peft_adapter_with_a_rank_pattern(tmp_path):
+    peft = pytest.importorskip("peft")
+    base = _base()
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), rank_pattern={"down_proj": 2},
+                          alpha_pattern={"down_proj": 6})
+    torch.manual_seed(3)
+    theirs = peft.get_peft_model(copy.deepcopy(base), cfg)
+    for name, p in theirs.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    theirs.save_pretrained(tmp_path)
+    ours = _mixed(base, seed=9)
+    load_adapter(ours, tmp_path)
+    x = torch.randn(4, 12)
+    want = theirs(x)
+    torch.testing.assert_close(ours(x), want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)
 
 
 def test_round_trip_restores_adapters_exactly(tmp_path):
