@@ -85,19 +85,25 @@ def test_peft_loads_our_adapter_with_identical_outputs(tmp_path):
     torch.testing.assert_close(model(x), ours(x), atol=1e-6, rtol=1e-6)
 
 
-def test_we_load_an_adapter_peft_saved(tmp_path):
+@pytest.mark.parametrize(
+    "patterns", [{}, {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"down_proj": 6}}],
+    ids=["one_rank", "rank_and_alpha_patterns"],
+)
+def test_we_load_an_adapter_peft_saved(tmp_path, patterns):
     peft = pytest.importorskip("peft")
     base = _base()
     torch.manual_seed(3)
-    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS)))
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), **patterns)
+    theirs = peft.get_peft_model(copy.deepcopy(base), cfg)
     for name, p in theirs.named_parameters():
         if "lora_B" in name:
             nn.init.normal_(p)
     theirs.save_pretrained(tmp_path)
-    ours = _adapted(base, seed=9)
+    ours = _mixed(base, seed=9) if patterns else _adapted(base, seed=9)
     load_adapter(ours, tmp_path)
     x = torch.randn(4, 12)
-    torch.testing.assert_close(ours(x), theirs(x), atol=1e-6, rtol=1e-6)
+    want = theirs(x)  # large (B ~ N(0, 1)): fp32 rounding of the other summation order is ~1e-6 of it
+    torch.testing.assert_close(ours(x), want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)
 
 
 def test_peft_alpha_pattern_that_changes_a_scale_is_refused_not_loaded_with_the_wrong_one(tmp_path):
@@ -210,24 +216,6 @@ def test_layers_of_different_ranks_save_with_peft_patterns_that_peft_loads(tmp_p
     uniform = _adapted(base)  # every layer at r=4: the file's down_proj adapters do not fit
     with pytest.raises(ValueError, match=r"module '0.down_proj' r=2, lora_alpha=6 \(rank_pattern.*alpha_pattern"):
         load_adapter(uniform, tmp_path)
-
-
-def test_we_load_a_peft_adapter_with_a_rank_pattern(tmp_path):
-    peft = pytest.importorskip("peft")
-    base = _base()
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), rank_pattern={"down_proj": 2},
-                          alpha_pattern={"down_proj": 6})
-    torch.manual_seed(3)
-    theirs = peft.get_peft_model(copy.deepcopy(base), cfg)
-    for name, p in theirs.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p)
-    theirs.save_pretrained(tmp_path)
-    ours = _mixed(base, seed=9)
-    load_adapter(ours, tmp_path)
-    x = torch.randn(4, 12)
-    want = theirs(x)
-    torch.testing.assert_close(ours(x), want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)
 
 
 def test_round_trip_restores_adapters_exactly(tmp_path):
