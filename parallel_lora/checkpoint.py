@@ -93,14 +93,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def peft_config(model: nn.Module) -> dict[str, Any]:
-    """The ``adapter_config.json`` contents PEFT writes for this model's adapters.
+def peft_config(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+    """The ``adapter_config.json`` contents PEFT writes for these adapters (``_adapter_modules`` of a model).
 
     Layers may differ in ``r`` and ``alpha`` (``apply_lora`` called with several configs): the most common pair
     is the file's ``r`` / ``lora_alpha``, and every other layer gets a ``rank_pattern`` / ``alpha_pattern``
     entry keyed by its whole path (escaped, since PEFT reads keys as regular expressions). PEFT has no
     per-module dropout or rsLoRA, so those must agree across layers."""
-    modules = _adapter_modules(model)
     shared = {(m.config.dropout, m.config.use_rslora) for _, m in modules}
     if len(shared) != 1:
         raise ValueError(
@@ -141,7 +140,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     modules = _adapter_modules(model)
-    config = peft_config(model)
+    config = peft_config(modules)
     tensors = {}
     for name, m in modules:
         for factor in _FACTORS:
