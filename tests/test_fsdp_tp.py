@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _recipes import reset_every_module
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -160,9 +161,7 @@ def _meta_init_under_fsdp(seed: int, tp: bool) -> None:
     model.to_empty(device=_dist.device())
     for i, layer in enumerate((model[0], model[2])):
         torch.manual_seed(seed + i + 100 * dist.get_rank())  # rank 0's draw must win
-        for m in layer.modules():  # the layer's reset, then its factors' (which draw nothing)
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+        reset_every_module(layer)  # the layer's reset, then its factors' (which draw nothing)
     want = dict(constructed.named_parameters())
     for name, p in model.named_parameters():
         assert p.device_mesh.mesh_dim_names == mesh.mesh_dim_names and p.placements == want[name].placements, name
@@ -331,9 +330,7 @@ def _recipe_resumes_from_its_own_state_dict(root: str, steps: int = 2) -> None:
         model = _recipe_model(mesh, meta=True, recipe=True)
         model.to_empty(device=_dist.device())
         torch.manual_seed(5)
-        for m in model.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+        reset_every_module(model)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
 
     def step(model, opt, i: int) -> float:

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from _recipes import reset_every_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel_lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
@@ -161,13 +162,6 @@ def _params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def _reset_every_module(model: nn.Module) -> None:
-    """The usual meta-device recipe (FSDP's tests, Lightning): ``reset_parameters()`` on every module that has it."""
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-
-
 @pytest.mark.parametrize("how", ["device-argument", "device-context"])
 def test_a_meta_built_layer_reset_after_to_empty_equals_the_constructed_one(how):
     cfg = LoRAConfig(r=4, lora_dtype=F32)
@@ -181,7 +175,7 @@ def test_a_meta_built_layer_reset_after_to_empty_equals_the_constructed_one(how)
     assert all(p.is_meta for p in layer.parameters())
     layer.to_empty(device="cpu")
     torch.manual_seed(3)
-    _reset_every_module(layer)  # the layer's own reset, then its factors' (which must not draw B like a weight)
+    reset_every_module(layer)  # the layer's own reset, then its factors' (which must not draw B like a weight)
     got = _params(layer)
     assert got.keys() == built.keys()
     for name, want in built.items():

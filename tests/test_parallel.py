@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _recipes import reset_every_module
 from _reference import lora_reference
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor, Replicate
@@ -543,9 +544,7 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
                 layer(torch.randn(BATCH, SEQ, width, device=device))
             layer.to_empty(device=device)
             torch.manual_seed(seed + rank)  # rank 0's draw must win
-            for m in layer.modules():  # the usual recipe: the layer's reset, then its factors' (which draw nothing)
-                if hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
+            reset_every_module(layer)  # the usual recipe: the layer's reset, then its factors' (which draw nothing)
             for name in ("weight", "bias", "lora_A.weight", "lora_B.weight"):
                 got = layer.get_parameter(name)
                 assert got.placements == (getattr(LAYOUTS[cls.kind], name.split(".")[0]),), f"{what}: {name}"
