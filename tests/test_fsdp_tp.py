@@ -26,12 +26,19 @@ import _dist
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from _recipes import reset_every_module
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -275,9 +282,20 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, ColumnParallelLoRALinear | RowParallelLoRALinear)]
 
 
+def _recipe_step(model: nn.Module, opt: torch.optim.Optimizer, mesh) -> float:
+    """One AdamW step on data from the current generator (the same on every rank; each dp rank takes its batch
+    and, under SP, each tp rank its sequence shard); returns this rank's loss."""
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    x_all = torch.randn(DP, BATCH, SEQ, K)
+    loss = model(x_all[dp_rank].chunk(TP, dim=1)[tp_rank]).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def _torchtitan_recipe_trains_like_the_plain_model(steps: int = 3) -> None:
     mesh = _dist.mesh((DP, TP), ("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     plain = _recipe_model(mesh, meta=False, recipe=False)
     torch.manual_seed(5)
     for layer in _lora_layers(plain):
@@ -297,15 +315,7 @@ def _torchtitan_recipe_trains_like_the_plain_model(steps: int = 3) -> None:
     for m in (plain, model):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=2e-2)
         torch.manual_seed(11)
-        losses.append([])
-        for _ in range(steps):
-            x_all = torch.randn(DP, BATCH, SEQ, K)  # the same on every rank; each dp rank takes its batch
-            y = m(x_all[dp_rank].chunk(TP, dim=1)[tp_rank])  # SP: this tp rank's sequence shard
-            loss = y.square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[-1].append(loss.item())
+        losses.append([_recipe_step(m, opt, mesh) for _ in range(steps)])
     assert losses[0] == losses[1], f"losses differ: plain {losses[0]}, recipe {losses[1]}"
     assert len(set(losses[0])) == steps, "training did not move the loss"
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -320,11 +330,7 @@ def _recipe_resumes_from_its_own_state_dict(root: str, steps: int = 2) -> None:
     """torchtitan's checkpointing (the model's and the optimizer's state dicts through DCP, nothing of ours) on
     the recipe model: a run rebuilt on the meta device and resumed from step ``steps`` draws the masks the
     uninterrupted run drew, so its next losses and adapters match bit for bit."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     mesh = _dist.mesh((DP, TP), ("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = _recipe_model(mesh, meta=True, recipe=True)
@@ -335,12 +341,7 @@ def _recipe_resumes_from_its_own_state_dict(root: str, steps: int = 2) -> None:
 
     def step(model, opt, i: int) -> float:
         torch.manual_seed(1000 + i)  # the data of step i
-        x_all = torch.randn(DP, BATCH, SEQ, K)
-        loss = model(x_all[dp_rank].chunk(TP, dim=1)[tp_rank]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
+        return _recipe_step(model, opt, mesh)
 
     model, opt = build()
     for i in range(steps):
