@@ -224,11 +224,14 @@ def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch,
     # tiles (GEMM and reductions), so the fused launch must reproduce the separate ones exactly, over several
     # M splits, with either gradient alone, and leave its queue and arrival counters at zero. The second shape
     # has one dx tile for the interpreter's two programs: the other one skips the GEMM (one program runs after
-    # the other there, so the first has drained the queue).
-    from parallel_lora.kernels import lora, rank_reduce
+    # the other there, so the first has drained the queue). dB reduced from dy here, as at ranks above
+    # shrink_db.MAX_DB_R_PAD (below it, from shrink_db's partials: the next test).
+    from parallel_lora.kernels import lora, rank_reduce, shrink_db
 
     if not INTERPRETING:
         pytest.skip("the GPU tunes the two paths' tiles separately: the GPU tests compare them with fp64")
+    monkeypatch.setattr(shrink_db, "MAX_DB_R_PAD", 0)
+    lora._BACKWARD_SITES.clear()
     M, K, N = shape
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, 8, torch.bfloat16)
     if M > 100:
@@ -250,6 +253,83 @@ def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch,
     lora._BACKWARD_SITES.clear()
 
 
+@pytest.mark.parametrize("wanted", [("dA", "dB"), ("dB",)], ids="+".join)
+@pytest.mark.parametrize("drop", ["none", "post"])
+@pytest.mark.parametrize("r", [5, 16])
+def test_backward_takes_g_and_db_partials_from_one_read_of_dy(monkeypatch, r, drop, wanted):
+    # Up to shrink_db.MAX_DB_R_PAD the TMA backward launches shrink_db (G and dB's per-row-block partials from one
+    # read of dy; several row blocks and column splits here, whose G partials the last arrival sums), then
+    # dx_grads, which sums dB's partials on its spare programs instead of reducing dy. The gradients match the
+    # path that reduces dy (another summation order: to rounding) and eager, repeat bit for bit, and every
+    # counter ends at zero.
+    from parallel_lora.kernels import lora, rank_reduce, shrink_db
+
+    if not INTERPRETING:
+        pytest.skip("the interpreter's split sizes; the GPU tests compare with fp64")
+    M, K, N = 60, 64, 80  # two row blocks, the second part-filled; three column splits
+    assert shrink_db.db_blocks(M, 16) > 1 and shrink_db.column_splits(M, N, 16, torch.device("cpu"))[0] > 1
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16)
+    dropout = DROPOUTS[drop]
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+    needs = {"needs_dA": "dA" in wanted, "needs_dB": True}
+    launched = _count_launches(monkeypatch)
+    lora._BACKWARD_SITES.clear()
+    one_read = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
+    again = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
+    assert launched == ["shrink_db", "dx_grads"] * 2
+    monkeypatch.setattr(shrink_db, "MAX_DB_R_PAD", 0)
+    lora._BACKWARD_SITES.clear()
+    reduced = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
+    assert launched[4:] == ["shrink", "dx_grads"]
+    ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, dropout)
+    mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, dropout, absolute=True)
+    for i, name in enumerate(("dx", "dA", "dB")):
+        a, c, d = one_read[i], again[i], reduced[i]
+        assert (a is None) == (name == "dA" and "dA" not in wanted), name
+        if a is None:
+            continue
+        assert torch.equal(a, c), name
+        torch.testing.assert_close(a.float(), d.float(), rtol=2e-2, atol=2e-2, msg=name)
+        assert_matches(name, a, ref[2 + i], mag[2 + i], torch.bfloat16)
+    for count in (*rank_reduce._COUNTERS.values(), *shrink_db._G_COUNTERS.values()):
+        assert not count.any(), "a queue or an arrival counter was left non-zero"
+    lora._BACKWARD_SITES.clear()
+
+
+@pytest.mark.parametrize("case", ["pre_dropout", "rank_above_max"])
+def test_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, case):
+    # Under "pre" dropout the masked dA items set the fused launch's tail, so dB's partials would only add
+    # shrink_db's cost; dB's partials grow with the rank. Both keep G's plain shrink and reduce dB from dy.
+    from parallel_lora.kernels import lora, shrink_db
+
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    r = shrink_db.MAX_DB_R_PAD + 1 if case == "rank_above_max" else 8
+    drop = DROPOUTS["pre"] if case == "pre_dropout" else None
+    x, weight, b, lora_A, lora_B, dy = make_inputs(40, 48, 56, r, torch.bfloat16)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+    launched = _count_launches(monkeypatch)
+    lora._BACKWARD_SITES.clear()
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
+    assert launched == ["shrink", "dx_grads"]
+    lora._BACKWARD_SITES.clear()
+
+
+def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_on_gpu(monkeypatch):
+    # The sizes where the H200 measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the interpreter takes the
+    # path at every size, so that the tests' small problems exercise it.
+    from parallel_lora.kernels import shrink_db
+
+    monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
+    assert shrink_db.takes_db_partials(8192, 16) and shrink_db.takes_db_partials(4096, 16)
+    assert not shrink_db.takes_db_partials(2048, 16) and not shrink_db.takes_db_partials(8192, 32)
+    assert shrink_db.db_rows(16) == 256 and shrink_db.db_blocks(8192, 16) == 32
+    monkeypatch.setattr(shrink_db, "sm_count", lambda index: 132)
+    # 32 row blocks times 4 column splits of 1024: one wave of 128 programs on 132 SMs.
+    assert shrink_db.column_splits(8192, 4096, 16, torch.device("cuda", 0)) == (4, 1024)
+    assert shrink_db.column_splits(8192, 14336, 16, torch.device("cuda", 0)) == (4, 3584)
+
+
 @pytest.mark.parametrize("wanted", ["dA", "dB"])
 @pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
 def test_one_adapter_gradient_alone_matches_eager(M, wanted):
@@ -268,9 +348,13 @@ def test_one_adapter_gradient_alone_matches_eager(M, wanted):
     assert_matches(wanted, outs[i], ref[2 + i], mag[2 + i], torch.float32)
 
 
+# Every kernel spec's name (``KernelSpec.name``): what the op's launches can be.
+_LAUNCH_NAMES = ("shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm", "shrink_db")
+
+
 def _patch_launches(monkeypatch, fn) -> None:
     """Route every kernel launch (each kernel module imports ``configs.launch`` by name) through ``fn``."""
-    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce", "dx_grads", "shrink_gemm"):
+    for mod in ("shrink", "gemm", "gemm_tma", "rank_reduce", "dx_grads", "shrink_gemm", "shrink_db"):
         monkeypatch.setattr(f"parallel_lora.kernels.{mod}.launch", fn)
 
 
@@ -293,7 +377,9 @@ def _count_launches(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
 def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else(monkeypatch, M, dtype):
     # G, the dx GEMM, and both adapter gradients in one launch (on the TMA path, dx and both gradients in
-    # one); no torch sum or cast of partials after it.
+    # one, after G or G with dB's partials); no torch sum or cast of partials after it.
+    from parallel_lora.kernels import shrink_db
+
     if dtype != torch.float32 and HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("no TMA before Hopper")
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 40, 8, dtype)
@@ -302,6 +388,10 @@ def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else
     monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: pytest.fail("a torch sum ran in backward"))
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, DROPOUTS["pre"])
     assert launched == (["shrink", "gemm", "reduce"] if dtype == torch.float32 else ["shrink", "dx_grads"])
+    launched.clear()
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
+    g_launch = "shrink_db" if shrink_db.takes_db_partials(M, 16) else "shrink"
+    assert launched == (["shrink", "gemm", "reduce"] if dtype == torch.float32 else [g_launch, "dx_grads"])
     launched.clear()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False)
     assert launched == ["shrink", "reduce"]
@@ -590,6 +680,7 @@ _SPECS = {
     "reduce": ("parallel_lora.kernels.rank_reduce", {"M": 8192, "F_A": 4096, "F_B": 4096}),
     "dx_grads": ("parallel_lora.kernels.dx_grads", {"M": 8192, "N_OUT": 4096, "K_RED": 4096, "F_A": 4096, "F_B": 4096}),
     "shrink_gemm": ("parallel_lora.kernels.shrink_gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "shrink_db": ("parallel_lora.kernels.shrink_db", {"M": 8192, "N": 4096}),
 }
 
 
@@ -605,6 +696,11 @@ def _consts(kernel, r_pad, monkeypatch) -> dict:
         from parallel_lora.kernels import shrink_gemm
 
         consts["S_STAGES"] = shrink_gemm.S_STAGES
+    if kernel == "shrink_db":
+        from parallel_lora.kernels import shrink_db
+
+        monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
+        consts["ROWS"] = shrink_db.db_rows(r_pad)
     return consts
 
 
@@ -624,6 +720,8 @@ def test_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, sme
         pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
     if kernel == "shrink_gemm" and r_pad > 64:
         pytest.skip("ranks above 64 keep the separate shrink (shrink_gemm.MAX_FUSED_R_PAD)")
+    if kernel == "shrink_db" and (r_pad > 16 or dtype == torch.float32):
+        pytest.skip("shrink_db runs before the fused dx launch (16-bit), at ranks up to shrink_db.MAX_DB_R_PAD")
     spec, sizes = _spec(kernel)
     consts = _consts(kernel, r_pad, monkeypatch)
     nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
@@ -753,7 +851,7 @@ def test_a_launch_signature_fixes_every_argument_but_addresses_and_runtime_scala
                         _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
                         for needs in ((True, True, True), (False, True, True), (True, False, False)):
                             kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
-    assert {name for name, *_ in seen} == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm"}
+    assert {name for name, *_ in seen} == set(_LAUNCH_NAMES)
     assert len(seen) > 100
 
 
@@ -793,7 +891,7 @@ def test_an_op_layout_fixes_the_signature_of_every_launch_it_makes(monkeypatch):
                             key = lora.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask, *needs)
                             check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
     names = {name for launches in seen.values() for name, *_ in launches}
-    assert names == {"shrink", "gemm", "gemm_tma", "reduce", "dx_grads", "shrink_gemm"}
+    assert names == set(_LAUNCH_NAMES)
     assert len(seen) > 100
 
 
@@ -1117,26 +1215,36 @@ def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly(
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("r", [16, 64, 256])
-@pytest.mark.parametrize("op", ["dx_grads", "shrink_gemm"])
+@pytest.mark.parametrize("op", ["dx_grads", "dx_grads_db_sums", "shrink_gemm", "shrink_db"])
 def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
     # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two
-    # reductions, or the producers' shrink); their buffers share shared memory (the estimate takes the larger),
-    # which only holds if the compiler reuses them.
-    from parallel_lora.kernels import dx_grads, shrink_gemm
+    # reductions, dA and the sums of dB's partials, or the producers' shrink); their buffers share shared memory
+    # (the estimate takes the larger), which only holds if the compiler reuses them. shrink_db's two dots stage
+    # dB's partial on its way out.
+    from parallel_lora.kernels import dx_grads, shrink_db, shrink_gemm
 
     if op == "shrink_gemm" and r > 64:
         pytest.skip("ranks above 64 keep the separate shrink")
+    if op in ("shrink_db", "dx_grads_db_sums") and r > shrink_db.MAX_DB_R_PAD:
+        pytest.skip("ranks above MAX_DB_R_PAD reduce dB from dy")
 
     checked = []
     compile_each = _compile_every_config(checked)
     monkeypatch.setattr(dx_grads, "launch", compile_each)
     monkeypatch.setattr(shrink_gemm, "launch", compile_each)
+    monkeypatch.setattr(shrink_db, "launch", compile_each)
     torch.manual_seed(0)
     M, K, N = 4096, 1024, 512
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if op == "dx_grads":
         dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
+    elif op == "dx_grads_db_sums":
+        parts = torch.zeros(shrink_db.db_blocks(M, r) * N * r, device="cuda")
+        dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, None, db_partials=parts,
+                                   db_parts=shrink_db.db_blocks(M, r), p=0.1, seed=1, lora_drop=True)  # fmt: skip
+    elif op == "shrink_db":
+        shrink_db.lora_shrink_db(dy, lora_B, s_lora, 2.0, p=0.1, seed=1, drop_post=True)
     else:
         shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=1, drop_post=True)
     assert checked

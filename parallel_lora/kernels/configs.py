@@ -193,6 +193,27 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
     return cfg["BLOCK_M"] <= max(32, _next_pow2(nargs["M"]))
 
 
+def shrink_db_configs() -> list[triton.Config]:
+    """The backward's shrink with dB's partials (``shrink_db``): (BLOCK_N, stages, warps); the rows per program
+    are fixed by the rank (``shrink_db.db_rows``), not tuned, so that dB's partials sum in one order."""
+    rows = [
+        (32, 2, 4),  # the fallback that fits ~100 KB
+        (64, 3, 4),
+        (64, 3, 8),
+        (64, 4, 8),
+        (128, 2, 8),
+        (128, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_N": bn}, num_stages=s, num_warps=w) for bn, s, w in rows]
+
+
+def shrink_db_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # Per stage a dy tile and a B tile; S's rows once (the second dot's operand); the fp32 partial of dB on its
+    # way to a coalesced store (sm_90a, Triton 3.6: 4 KB past the tiles at BLOCK_N 64), and the arrival's atomic.
+    rows, bn, r_pad = consts["ROWS"], cfg["BLOCK_N"], consts["R_PAD"]
+    return (stages * (rows * bn + bn * r_pad) + rows * r_pad) * elem + bn * r_pad * 4 + ATOMIC_SLOT
+
+
 def reduce_configs() -> list[triton.Config]:
     """Adapter gradients, reductions over M ``[F, M] @ [M, r]``: (BLOCK_F, BLOCK_M, stages, warps).
     Bandwidth-bound like the shrink: the split over M (``rank_reduce.split_rows``) supplies the programs."""
@@ -235,6 +256,7 @@ INTERP_CONFIGS = {
     "gemm_tma": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
     "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
     "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
+    "shrink_db": {"BLOCK_N": 32},
     "dx_grads": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "RED_BLOCK_F": 32},
     "shrink_gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32},
 }

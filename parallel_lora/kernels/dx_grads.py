@@ -15,6 +15,9 @@ increment of the queue head and works it exactly as ``rank_reduce`` does (fp32 p
 last arrival sums the partials in split order). Which program works an item never changes what it computes,
 so results are bitwise reproducible. The last program to finish resets the queue for the next launch on the
 stream. Nothing waits on anything: the kernel is correct whichever programs run concurrently.
+
+With ``DB_SUMS`` dB is not reduced from dy: ``shrink_db`` (G's launch) left its partial sums per row block, and
+the queue's first items sum them, column tile by column tile, in row-block order.
 """
 
 from __future__ import annotations
@@ -38,25 +41,28 @@ from .configs import (
     sm_count,
 )
 from .gemm_tma import ensure_allocator, gemm_tiles, tma_rows
-from .rank_reduce import _COUNTERS, _PARTIALS, grad_problems, reduce_item, split_rows
+from .rank_reduce import _COUNTERS, _PARTIALS, grad_problems, reduce_item, split_rows, sum_partials
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
 def _dx_and_grads_kernel(
     # dx GEMM: dy [M, N], W (as w), G [M, r], A [r, K] -> dx [M, K]
     dy_ptr, w_ptr, g_ptr, a_ptr, dx_ptr,
-    # adapter gradients: (x, G) -> dA, (dy, S) -> dB, the fp32 partials, the arrival counters and the queue
-    fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
-    # sizes: the GEMM's (N_OUT = K, K_RED = N), the reductions' (F_A = 0 or F_B = 0 skips that gradient)
-    M, N_OUT, K_RED, R, F_A, F_B, m_per_split, num_splits,
+    # adapter gradients: (x, G) -> dA, (dy, S) -> dB, the fp32 partials, the arrival counters and the queue;
+    # dB from shrink_db's partials instead: the partials and dB
+    fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr, pdb_ptr, db_ptr,
+    # sizes: the GEMM's (N_OUT = K, K_RED = N), the reductions' (F_A = 0 or F_B = 0 skips that gradient), the
+    # sums of dB's partials (F_DB = 0: none)
+    M, N_OUT, K_RED, R, F_A, F_B, m_per_split, num_splits, F_DB, db_parts,
     # strides
     stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
-    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, stride_dbf, stride_dbr,
     # runtime scalars (changing them never recompiles)
     keep_scale, p, seed_lo, seed_hi, k_offset,
     # compile-time
-    W_NK: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    W_NK: tl.constexpr, DB_SUMS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
@@ -78,6 +84,16 @@ def _dx_and_grads_kernel(
     num_items = (tl.cdiv(F_A, RED_BLOCK_F) + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
     queue = count_ptr + F_A + F_B  # [head, finished programs], after the tiles' arrival counters
     item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+    sums = 0
+    if DB_SUMS:
+        # dB's sums first: their partials were just written, and are likeliest still in L2.
+        sums = tl.cdiv(F_DB, RED_BLOCK_F)
+        while item < sums:
+            sum_partials(
+                pdb_ptr, db_ptr, item, F_DB, R, db_parts, stride_dbf, stride_dbr, R_PAD, RED_BLOCK_F, RED_STAGES
+            )  # fmt: skip
+            item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+        item -= sums
     while item < num_items:
         reduce_item(
             item // num_splits, item % num_splits, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr,
@@ -86,7 +102,7 @@ def _dx_and_grads_kernel(
             stride_ws, keep_scale, p, seed_lo, seed_hi, k_offset, LORA_DROP, ODD_OFFSET, A_TMA, B_TMA, R_PAD,
             UPCAST, DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
         )  # fmt: skip
-        item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
+        item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu") - sums
     # Every program's last take from the queue comes before its release here; the last one to finish
     # (acquire) leaves the queue at zero for the next launch on this stream.
     finished = tl.atomic_add(queue + 1, 1, sem="acq_rel", scope="gpu")
@@ -136,22 +152,36 @@ def lora_dx_and_grads(
     seed: int = 0,
     k_offset: int = 0,
     lora_drop: bool = False,
+    db_partials: torch.Tensor | None = None,
+    db_parts: int = 0,
     site=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``dx [M, K] = dy [M, N] @ W + drop(G [M, r] @ A [r, K])`` with ``dA = c * G^T drop(x)`` ``[r, K]`` when
-    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch, in dy's dtype.
+    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch, in dy's dtype; or
+    ``dB`` as the sum of ``shrink_db``'s ``db_parts`` fp32 partials ``db_partials`` (``[db_parts, N, r_pad]``,
+    flat; then no ``s_lora``).
     ``w`` is W as the TMA GEMM reads it (``[N, K]``, or ``W.t()`` with ``w_nk``); operands are checked by the
     caller and TMA-describable (``tma_compatible``). ``drop``: the "pre" keep-mask of columns ``k_offset + k``
     (``lora_drop``), on dx's LoRA term and on x, with ``c = 1/(1-p)``."""
     M, N = dy.shape
     K, R = lora_A.shape[1], g.shape[1]
     want_a, want_b = x is not None, s_lora is not None
+    sums = db_partials is not None
     dev, dtype = dy.device, dy.dtype
     dx = torch.empty((M, K), device=dev, dtype=dtype)
-    problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora)
+    if want_a or want_b:
+        problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora)
+    else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G) for their pointers
+        problems = grad_problems(dy, g, None, None)
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = problems
+    dA = dA if want_a else None
     F_A = K if want_a else 0
     F_B = N if want_b else 0
+    if sums:
+        dB = torch.empty((N, R), device=dev, dtype=dtype)
+        F_DB, pdb = N, db_partials
+    else:
+        F_DB, pdb = 0, out_a
     hit = site is not None and site.bound is not None
     if hit:
         split, partials = site.info
@@ -163,7 +193,7 @@ def lora_dx_and_grads(
     if not interpreting():
         ensure_allocator()
     seed_lo, seed_hi = split_seed(seed)
-    tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
+    tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
     runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_lo, seed_hi, int(k_offset))
     if hit:
         site.bound.launch(tensors, runtime)
@@ -173,11 +203,12 @@ def lora_dx_and_grads(
 
     def build():
         r_pad = pad_rank(R)
-        static = (M, K, N, R, F_A, F_B, m_per_split, split, dy.stride(0), w.stride(0), *g.stride(),
+        static = (M, K, N, R, F_A, F_B, m_per_split, split, F_DB, db_parts, dy.stride(0), w.stride(0), *g.stride(),
                   *lora_A.stride(), dx.stride(0), *feat_a.stride(), *g_a.stride(), out_a.stride(1), out_a.stride(0),
-                  *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
+                  *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad, R, 1)  # fmt: skip
         consts = {
             "W_NK": w_nk,
+            "DB_SUMS": sums,
             "LORA_DROP": lora_drop,
             "ODD_OFFSET": odd,
             "A_TMA": want_a and tma_rows(feat_a),
@@ -191,7 +222,7 @@ def lora_dx_and_grads(
 
     a_layout = want_a and (x.stride(), tma_rows(x))
     signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
-                 want_b and s_lora.stride(), dtype, lora_drop, odd, num_sms)  # fmt: skip
+                 want_b and s_lora.stride(), sums and db_parts, dtype, lora_drop, odd, num_sms)  # fmt: skip
     bound: Bound = launch(_SPEC, _dx_and_grads_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (split, partials), bound

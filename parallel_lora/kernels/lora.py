@@ -10,7 +10,9 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               G  = s * drop_post(dy B)                     shrink kernel
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
               dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
-              (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs)
+              (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs; from
+              4096 tokens at r <= 16 without "pre" dropout, G's launch also writes dB's partial sums per row
+              block from its read of dy, and the dx launch sums those instead of reading dy again: shrink_db)
 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
@@ -31,6 +33,7 @@ from .gemm import lora_gemm
 from .gemm_tma import tma_compatible, tma_operand
 from .rank_reduce import lora_adapter_grads
 from .shrink import lora_shrink
+from .shrink_db import lora_shrink_db, takes_db_partials
 from .shrink_gemm import MAX_FUSED_R_PAD, lora_shrink_gemm
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -274,10 +277,24 @@ def backward_unchecked(
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
         fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
-        entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None)
-    *sites, w_nk = entry
+        # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
+        db_in_g = fused and needs_dB and not pre and takes_db_partials(dy.shape[0], pad_rank(lora_A.shape[0]))
+        entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
+    *sites, w_nk, db_in_g = entry
     dx = dA = dB = None
     g = None
+    if db_in_g:
+        # G and dB's partials from one read of dy, then dx with dA and dB's sums on the GEMM's spare SMs.
+        g, pdb, blocks = lora_shrink_db(
+            dy, lora_B, s_lora, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0]
+        )
+        w = weight.t() if w_nk else weight
+        dx, dA, dB = lora_dx_and_grads(
+            dy, w, w_nk, g, lora_A, x if needs_dA else None, None, db_partials=pdb, db_parts=blocks,
+            lora_drop=pre, k_offset=k_offset, **_drop_kwargs(drop), site=sites[1],
+        )  # fmt: skip
+        _BACKWARD_SITES[key] = entry
+        return dx, dA, dB
     if needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
     if w_nk is not None:

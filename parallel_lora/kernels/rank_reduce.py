@@ -119,6 +119,25 @@ def finish_tile(
 
 
 @triton.jit
+def sum_partials(
+    part_ptr, out_ptr, tile, F, R, num_parts, stride_of, stride_or, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """Store ``sum_b part[b, tile's columns, :R]`` (fp32 partials ``[num_parts, F, R_PAD]``, summed in ``b``
+    order) as ``out [F, R]``: the last step of dB when its partials come from ``shrink_db``."""
+    offs_f = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_r = tl.arange(0, R_PAD)
+    f_in = offs_f < F
+    ptrs = part_ptr + offs_f[:, None] * R_PAD + offs_r[None, :]
+    total = tl.zeros((BLOCK_F, R_PAD), dtype=tl.float32)
+    for _ in tl.range(0, num_parts, num_stages=STAGES):
+        total += tl.load(ptrs, mask=f_in[:, None], other=0.0)
+        ptrs += F * R_PAD
+    out_ptrs = out_ptr + offs_f[:, None] * stride_of + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=f_in[:, None] & (offs_r[None, :] < R))
+
+
+@triton.jit
 def reduce_item(
     tile, pid_s, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
     M, F_A, F_B, R, m_per_split, num_splits,

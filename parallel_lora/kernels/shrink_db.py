@@ -1,0 +1,192 @@
+"""The backward's shrink and dB's partial sums from one read of dy:
+
+    G = s * drop_post(dy B)            [M, r]              dy [M, N], B [N, r]
+    P[b] = dy[rows b]^T S[rows b]      [blocks, N, r_pad]  fp32, one partial of dB = dy^T S per row block b
+
+Why: the fused backward launch (``dx_grads``) reduces dA (a read of x) and dB (a read of dy) on the dx GEMM's
+spare SMs, and at 8192 x 4096 -> 4096 r16 the two together overflow that spare time by ~21 us, where either one
+alone fits (NOTES.md, session 20). The G launch before it reads all of dy anyway; here each dy tile it loads also
+feeds ``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``rank_reduce.sum_partials``,
+~1/8 of dy's bytes at r <= 16) instead of reading dy again.
+
+A program owns ``ROWS`` rows (a fixed function of the shape, never of the tuned config, so that the sums run in
+the same order whatever the tuner picks) and one of ``splits`` ranges of dy's columns; it streams its
+``[ROWS, BLOCK_N]`` tiles once: ``acc [ROWS, R_PAD] += tile @ B_tile`` and ``P[b, cols] = tile^T @ S_rows``.
+With several column splits each program stores its G partial and the row block's last arrival sums them in
+split order (``rank_reduce.finish_tile``); the "post" mask zeroes the same elements of every partial, so it
+is applied to each (exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stream_buffer
+from .configs import KernelSpec, Site, launch, shrink_db_configs, shrink_db_smem, sm_count
+from .dropout_mask import drop_tile
+from .rank_reduce import finish_tile
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _lora_shrink_db_kernel(
+    # dy [M, N], B [N, R], S [M, R] -> G [M, R]; the dB partials [blocks, N, R_PAD], the G partials
+    # [splits, M, R_PAD] and the row blocks' arrival counters
+    dy_ptr, b_ptr, s_ptr, g_ptr, pdb_ptr, pg_ptr, count_ptr,
+    M, N, R, n_per_split, num_splits,
+    stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr, stride_gm, stride_gr,
+    out_scale, p, seed_lo, seed_hi,
+    DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    n_start = split * n_per_split
+    n_end = tl.minimum(n_start + n_per_split, N)
+    offs_m = block * ROWS + tl.arange(0, ROWS)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    m_in = offs_m < M
+    r_in = offs_r < R
+    rows64 = offs_m.to(tl.int64)  # M * stride can pass 2**31
+    s = tl.load(s_ptr + rows64[:, None] * stride_sm + offs_r[None, :] * stride_sr,
+                mask=m_in[:, None] & r_in[None, :], other=0.0)  # fmt: skip
+    if UPCAST:
+        s = s.to(tl.float32)
+    # Partial b holds columns [0, N) of row block b, R_PAD wide: the padding comes out zero (S's is).
+    pdb_ptrs = pdb_ptr + block.to(tl.int64) * N * R_PAD + offs_n[:, None] * R_PAD + offs_r[None, :]
+    acc = tl.zeros((ROWS, R_PAD), dtype=tl.float32)
+    for n0 in tl.range(n_start, n_end, BLOCK_N):
+        cols = n0 + offs_n
+        n_in = cols < n_end
+        d = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                    mask=m_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
+        u = tl.load(b_ptr + cols[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                    mask=n_in[:, None] & r_in[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            d = d.to(tl.float32)
+            u = u.to(tl.float32)
+        acc = tl.dot(d, u, acc, input_precision=DOT_PRECISION)
+        part = tl.dot(tl.trans(d), s, input_precision=DOT_PRECISION)
+        tl.store(pdb_ptrs + n0 * R_PAD, part, mask=n_in[:, None])
+    if DROP_POST:
+        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
+    # finish_tile takes [R_PAD, columns] tiles: G's rows are its columns here.
+    finish_tile(
+        tl.trans(acc * out_scale), g_ptr, pg_ptr, count_ptr, block, 0, M, R, block, split, num_splits,
+        stride_gm, stride_gr, M * R_PAD, 1.0, R_PAD, ROWS,
+    )  # fmt: skip
+
+
+_SPEC = KernelSpec(
+    name="shrink_db",
+    configs=shrink_db_configs,
+    key=("M", "N", "R"),
+    smem=shrink_db_smem,
+    work=lambda n: 2 * n["M"] * n["N"] * n["R"],
+    fits=lambda cfg, nargs: True,
+    dtype_arg="dy_ptr",
+)
+
+# (device, stream) -> this launch's workspaces on that stream: the dB partials (read by the dx_grads launch
+# that follows on the stream), the G partials and the row blocks' arrival counters (left at zero).
+_DB_PARTIALS: dict[tuple, torch.Tensor] = {}
+_G_PARTIALS: dict[tuple, torch.Tensor] = {}
+_G_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+# The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
+N_ALIGN_GPU = 128
+N_ALIGN_INTERP = 32
+# Where this path is taken (``takes_db_partials``), as measured on the H200 (benchmarks/NOTES.md, session 21): the
+# backward at 8192 x 4096 -> 4096 r16 -2% (three runs), at M = 2048 +1% (two runs: there the dx launch has
+# little tail to remove). The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against dy's 64 MiB that
+# dx_grads would otherwise read; larger ranks were not measured.
+MAX_DB_R_PAD = 16
+MIN_M_GPU = 4096
+# Programs per SM the column splits aim at (one wave).
+PROGRAMS_PER_SM = 1
+# At most this many column splits: the row block's last arrival sums that many G partials alone.
+MAX_SPLITS = 8
+
+
+def takes_db_partials(M: int, r_pad: int) -> bool:
+    """Whether a fused backward of ``M`` tokens at padded rank ``r_pad`` takes dB's partials from this launch."""
+    return r_pad <= MAX_DB_R_PAD and M >= (0 if interpreting() else MIN_M_GPU)
+
+
+def db_rows(r_pad: int) -> int:
+    """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as the
+    accumulators allow (``[rows, r_pad]`` fp32 for G beside the ``[rows, BLOCK_N]`` dy tile)."""
+    if interpreting():
+        return 32
+    return 256 if r_pad <= 16 else 128
+
+
+def db_blocks(M: int, r_pad: int) -> int:
+    """How many partials of dB the launch leaves (the row blocks)."""
+    return cdiv(M, db_rows(r_pad))
+
+
+def column_splits(M: int, N: int, r_pad: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, n_per_split)``: dy's columns split so that row blocks times splits fill the device's SMs once
+    (one wave: a program holds most of an SM's shared memory), a function of the shape and the device only."""
+    if interpreting():
+        align, programs = N_ALIGN_INTERP, 8  # small, so that test-sized problems split
+    else:
+        align = N_ALIGN_GPU
+        programs = PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else 0)
+    splits = max(1, min(MAX_SPLITS, programs // db_blocks(M, r_pad), cdiv(N, align)))
+    n_per_split = cdiv(cdiv(N, splits), align) * align
+    return cdiv(N, n_per_split), n_per_split
+
+
+def lora_shrink_db(
+    dy: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    scale: float,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    drop_post: bool = False,
+    site: Site | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``dy [M, N]``, ``B [N, r]``, ``S [M, r]`` (one dtype) -> ``(G [M, r], P, blocks)``: ``G = c * drop_post(dy
+    B)`` in dy's dtype (``c = scale / (1 - p)`` with ``drop_post``) and the fp32 partials of ``dB = dy^T S =
+    sum_b P[b, :, :r]``, ``P`` the first ``blocks * N * r_pad`` elements of a flat per-stream workspace, valid
+    until the next launch on the stream. ``M > 0``; inputs checked by the caller, which passes a ``site`` bound
+    to this operand layout."""
+    M, N = dy.shape
+    R = lora_B.shape[1]
+    r_pad = pad_rank(R)
+    dev = dy.device
+    g = torch.empty((M, R), device=dev, dtype=dy.dtype)
+    hit = site is not None and site.bound is not None
+    if hit:
+        splits, n_per_split = site.info
+    else:
+        splits, n_per_split = column_splits(M, N, r_pad, dev)
+    blocks = db_blocks(M, r_pad)
+    pdb = stream_buffer(_DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
+    pg = stream_buffer(_G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
+    count = stream_buffer(_G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
+    c = scale / (1.0 - p) if drop_post else scale
+    seed_lo, seed_hi = split_seed(seed)
+    tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
+    runtime = (float(c), float(p), seed_lo, seed_hi)
+    if hit:
+        site.bound.launch(tensors, runtime)
+        return g, pdb, blocks
+
+    def build():
+        static = (M, N, R, n_per_split, splits, *dy.stride(), *lora_B.stride(), *s_lora.stride(), *g.stride())
+        consts = {"DROP_POST": drop_post, "R_PAD": r_pad, "ROWS": db_rows(r_pad), **dot_options(dy.dtype)}
+        return static, lambda meta: (blocks, splits), consts
+
+    signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, drop_post, splits,
+                 db_rows(r_pad))  # fmt: skip
+    bound = launch(_SPEC, _lora_shrink_db_kernel, signature, tensors, runtime, build)
+    if site is not None:
+        site.info, site.bound = (splits, n_per_split), bound
+    return g, pdb, blocks
