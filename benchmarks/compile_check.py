@@ -30,11 +30,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel_lora.kernels import configs, dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_gemm  # noqa: E402
+from parallel_lora.kernels import configs, dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_db, shrink_gemm  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on the H100 / H200
 TARGET = triton.backends.compiler.GPUTarget("cuda", 90, 32)
-MODULES = (gemm, gemm_tma, shrink, rank_reduce, dx_grads, shrink_gemm)
+MODULES = (gemm, gemm_tma, shrink, rank_reduce, dx_grads, shrink_gemm, shrink_db)
 INTEGER_OPS = ("LOP3", "IMAD", "SHF", "IADD3", "ISETP", "SEL", "PRMT", "VIADD", "LEA", "IABS", "IMNMX")
 
 
@@ -79,6 +79,10 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
                                                                  **drop),  # fmt: skip
         "dx_grads": lambda: dx_grads.lora_dx_and_grads(dy, W, False, G, A, x, S),
         "dx_grads_drop": lambda: dx_grads.lora_dx_and_grads(dy, W, False, G, A, x, S, lora_drop=True, **drop),
+        "shrink_db": lambda: shrink_db.lora_shrink_db(dy, B, S, s),
+        "dx_grads_db_sums": lambda: dx_grads.lora_dx_and_grads(
+            dy, W, False, G, A, x, None, db_partials=torch.empty(0), db_parts=shrink_db.db_blocks(M, 16)
+        ),
     }
     launches = {}
     for name, call in calls.items():

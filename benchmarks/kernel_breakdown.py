@@ -56,6 +56,7 @@ from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
+from parallel_lora.kernels.shrink_db import lora_shrink_db  # noqa: E402
 from parallel_lora.kernels.shrink_gemm import lora_shrink_gemm  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
@@ -179,6 +180,10 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         "reduce_both_dB": rel(lora_adapter_grads(x, G, dy, S)[1], dy.float().t() @ S.float()),
     }
     fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
+    g_db, pdb, blocks = lora_shrink_db(dy, B, S, s)
+    checks["shrink_db_G"] = rel(g_db, s * dy.float() @ B.float())
+    sums = lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks)
+    checks["dx_grads_db_sums_dB"] = rel(sums[2], dy.float().t() @ S.float())
     refs = (dx_ref, G.float().t() @ x.float(), dy.float().t() @ S.float())
     checks.update({f"dx_grads_{n}": rel(t, ref) for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True)})
     y_fused, s_fused = lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s)
@@ -222,6 +227,10 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
             lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
             None,
         ),
+        # G and dB's partials from one read of dy, then dx with dA and dB's sums (the r <= 32 backward).
+        "shrink_db": (lambda: lora_shrink_db(dy, B, S, s), dy.numel() * 2),
+        "dx_grads_db_sums": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks),
+                             None),  # fmt: skip
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
         "forward_separate": (separate_launches(lambda: kernels.forward(x, W, None, A, B, s, None)), None),
