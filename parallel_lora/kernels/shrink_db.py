@@ -27,6 +27,7 @@ from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stre
 from .configs import KernelSpec, Site, launch, shrink_db_configs, shrink_db_smem, sm_count
 from .dropout_mask import drop_tile
 from .rank_reduce import finish_tile
+from .shrink import shrink_scale
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
@@ -171,7 +172,7 @@ def lora_shrink_db(
     pdb = stream_buffer(_DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
     pg = stream_buffer(_G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
     count = stream_buffer(_G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
-    c = scale / (1.0 - p) if drop_post else scale
+    c = shrink_scale(scale, p, drop_post)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
     runtime = (float(c), float(p), seed_lo, seed_hi)
