@@ -30,11 +30,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel_lora.kernels import configs, dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_db, shrink_gemm  # noqa: E402
+from parallel_lora.kernels import LAUNCH_MODULES, configs, dx_grads, gemm, rank_reduce, shrink, shrink_db, shrink_gemm  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on the H100 / H200
 TARGET = triton.backends.compiler.GPUTarget("cuda", 90, 32)
-MODULES = (gemm, gemm_tma, shrink, rank_reduce, dx_grads, shrink_gemm, shrink_db)
 INTEGER_OPS = ("LOP3", "IMAD", "SHF", "IADD3", "ISETP", "SEL", "PRMT", "VIADD", "LEA", "IABS", "IMNMX")
 
 
@@ -53,7 +52,7 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
         row_stride, col_stride = t.stride()
         return t.dtype in (torch.float16, torch.bfloat16) and col_stride == 1 and row_stride % 8 == 0
 
-    for module in MODULES:
+    for module in LAUNCH_MODULES:
         module.launch = capture
         for name, value in (("tma_rows", tma_rows), ("sm_count", lambda index: sms)):
             if hasattr(module, name):

@@ -30,9 +30,7 @@ from rounds import time_in_rounds  # noqa: E402
 
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
-from parallel_lora.kernels import configs, dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_gemm  # noqa: E402
-
-MODULES = (gemm, gemm_tma, shrink, rank_reduce, dx_grads, shrink_gemm)
+from parallel_lora.kernels import LAUNCH_MODULES, configs  # noqa: E402
 
 
 def captured_launches(M: int, K: int, N: int, r: int) -> dict[str, tuple]:
@@ -48,7 +46,7 @@ def captured_launches(M: int, K: int, N: int, r: int) -> dict[str, tuple]:
         seen.setdefault(f"{spec.name}[{flags}]", (spec, kernel, (*tensors, *static, *runtime), consts, grid))
         return real(spec, kernel, signature, tensors, runtime, build)
 
-    for module in MODULES:
+    for module in LAUNCH_MODULES:
         module.launch = recording
     try:
         drop = Dropout(p=0.1, seed=1234, position="pre")
@@ -57,7 +55,7 @@ def captured_launches(M: int, K: int, N: int, r: int) -> dict[str, tuple]:
             kernels.backward(dy, x, W, A, B, S, 2.0, d)
         torch.cuda.synchronize()
     finally:
-        for module in MODULES:
+        for module in LAUNCH_MODULES:
             module.launch = real
     return seen
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
-from parallel_lora.kernels import configs, dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_gemm  # noqa: E402
+from parallel_lora.kernels import LAUNCH_MODULES, configs  # noqa: E402
 
 
 def best_us(fn, iters: int) -> float:
@@ -79,7 +79,7 @@ def main():
         static = build()[0]
         return configs.Bound(spec.name, lambda *a: None, static, (), None, {}, None)
 
-    for module in (gemm, gemm_tma, shrink, rank_reduce, dx_grads, shrink_gemm):
+    for module in LAUNCH_MODULES:
         module.launch = no_launch
     torch.set_num_threads(1)
     dt = torch.bfloat16

@@ -6,7 +6,12 @@ the keep-mask the kernels regenerate from the seed, for tests. The kernels also 
 interpreter when ``TRITON_INTERPRET=1`` is set before this package is imported.
 """
 
+from . import dx_grads, gemm, gemm_tma, rank_reduce, shrink, shrink_db, shrink_gemm
 from .dropout_mask import dropout_keep_mask
 from .lora import backward, backward_unchecked, forward
 
-__all__ = ["backward", "backward_unchecked", "dropout_keep_mask", "forward"]
+# Every module whose kernels launch through ``configs.launch`` (each imports it by name): what the benchmarks
+# and tests patch to stub or record launches.
+LAUNCH_MODULES = (gemm, gemm_tma, shrink, shrink_db, rank_reduce, dx_grads, shrink_gemm)
+
+__all__ = ["LAUNCH_MODULES", "backward", "backward_unchecked", "dropout_keep_mask", "forward"]
