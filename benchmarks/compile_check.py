@@ -80,7 +80,7 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
         "dx_grads_drop": lambda: dx_grads.lora_dx_and_grads(dy, W, False, G, A, x, S, lora_drop=True, **drop),
         "shrink_db": lambda: shrink_db.lora_shrink_db(dy, B, S, s),
         "dx_grads_db_sums": lambda: dx_grads.lora_dx_and_grads(
-            dy, W, False, G, A, x, None, db_partials=torch.empty(0), db_parts=shrink_db.db_blocks(M, 16)
+            dy, W, False, G, A, x, None, db_partials=torch.empty(0), db_parts=shrink_db.db_blocks(M)
         ),
     }
     launches = {}

@@ -34,7 +34,7 @@ VARIANTS = ((256, 1), (256, 2), (128, 1), (128, 2), (64, 2))
 @contextmanager
 def variant(rows: int, per_sm: int):
     saved = shrink_db.db_rows, shrink_db.PROGRAMS_PER_SM
-    shrink_db.db_rows, shrink_db.PROGRAMS_PER_SM = (lambda r_pad: rows), per_sm
+    shrink_db.db_rows, shrink_db.PROGRAMS_PER_SM = (lambda: rows), per_sm
     try:
         yield
     finally:

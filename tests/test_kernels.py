@@ -268,7 +268,7 @@ def test_backward_takes_g_and_db_partials_from_one_read_of_dy(monkeypatch, r, dr
     if not INTERPRETING:
         pytest.skip("the interpreter's split sizes; the GPU tests compare with fp64")
     M, K, N = 60, 64, 80  # two row blocks, the second part-filled; three column splits
-    assert shrink_db.db_blocks(M, 16) > 1 and shrink_db.column_splits(M, N, 16, torch.device("cpu"))[0] > 1
+    assert shrink_db.db_blocks(M) > 1 and shrink_db.column_splits(M, N, torch.device("cpu"))[0] > 1
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16)
     dropout = DROPOUTS[drop]
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
@@ -324,11 +324,11 @@ def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_on_gpu(monkeyp
     monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
     assert shrink_db.takes_db_partials(8192, 16) and shrink_db.takes_db_partials(4096, 16)
     assert not shrink_db.takes_db_partials(2048, 16) and not shrink_db.takes_db_partials(8192, 32)
-    assert shrink_db.db_rows(16) == 256 and shrink_db.db_blocks(8192, 16) == 32
+    assert shrink_db.db_rows() == 256 and shrink_db.db_blocks(8192) == 32
     monkeypatch.setattr(shrink_db, "sm_count", lambda index: 132)
     # 32 row blocks times 4 column splits of 1024: one wave of 128 programs on 132 SMs.
-    assert shrink_db.column_splits(8192, 4096, 16, torch.device("cuda", 0)) == (4, 1024)
-    assert shrink_db.column_splits(8192, 14336, 16, torch.device("cuda", 0)) == (4, 3584)
+    assert shrink_db.column_splits(8192, 4096, torch.device("cuda", 0)) == (4, 1024)
+    assert shrink_db.column_splits(8192, 14336, torch.device("cuda", 0)) == (4, 3584)
 
 
 @pytest.mark.parametrize("wanted", ["dA", "dB"])
@@ -717,7 +717,7 @@ def _consts(kernel, r_pad, monkeypatch) -> dict:
         from parallel_lora.kernels import shrink_db
 
         monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
-        consts["ROWS"] = shrink_db.db_rows(r_pad)
+        consts["ROWS"] = shrink_db.db_rows()
     return consts
 
 
@@ -1257,9 +1257,9 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     if op == "dx_grads":
         dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
     elif op == "dx_grads_db_sums":
-        parts = torch.zeros(shrink_db.db_blocks(M, r) * N * r, device="cuda")
+        parts = torch.zeros(shrink_db.db_blocks(M) * N * r, device="cuda")
         dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, None, db_partials=parts,
-                                   db_parts=shrink_db.db_blocks(M, r), p=0.1, seed=1, lora_drop=True)  # fmt: skip
+                                   db_parts=shrink_db.db_blocks(M), p=0.1, seed=1, lora_drop=True)  # fmt: skip
     elif op == "shrink_db":
         shrink_db.lora_shrink_db(dy, lora_B, s_lora, 2.0, p=0.1, seed=1, drop_post=True)
     else:

@@ -195,7 +195,7 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
 
 def shrink_db_configs() -> list[triton.Config]:
     """The backward's shrink with dB's partials (``shrink_db``): (BLOCK_N, stages, warps); the rows per program
-    are fixed by the rank (``shrink_db.db_rows``), not tuned, so that dB's partials sum in one order."""
+    are fixed (``shrink_db.db_rows``), not tuned, so that dB's partials sum in one order."""
     rows = [
         (32, 2, 4),  # the fallback that fits ~100 KB
         (64, 3, 4),

@@ -116,20 +116,19 @@ def takes_db_partials(M: int, r_pad: int) -> bool:
     return r_pad <= MAX_DB_R_PAD and M >= (0 if interpreting() else MIN_M_GPU)
 
 
-def db_rows(r_pad: int) -> int:
-    """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as the
-    accumulators allow (``[rows, r_pad]`` fp32 for G beside the ``[rows, BLOCK_N]`` dy tile)."""
-    if interpreting():
-        return 32
-    return 256 if r_pad <= 16 else 128
+def db_rows() -> int:
+    """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as G's
+    ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256 at r_pad <= 16: 16
+    registers a thread; fewer rows and 2 programs an SM measured slower, NOTES.md, session 21)."""
+    return 32 if interpreting() else 256
 
 
-def db_blocks(M: int, r_pad: int) -> int:
+def db_blocks(M: int) -> int:
     """How many partials of dB the launch leaves (the row blocks)."""
-    return cdiv(M, db_rows(r_pad))
+    return cdiv(M, db_rows())
 
 
-def column_splits(M: int, N: int, r_pad: int, device: torch.device) -> tuple[int, int]:
+def column_splits(M: int, N: int, device: torch.device) -> tuple[int, int]:
     """``(splits, n_per_split)``: dy's columns split so that row blocks times splits fill the device's SMs once
     (one wave: a program holds most of an SM's shared memory), a function of the shape and the device only."""
     if interpreting():
@@ -137,7 +136,7 @@ def column_splits(M: int, N: int, r_pad: int, device: torch.device) -> tuple[int
     else:
         align = N_ALIGN_GPU
         programs = PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else 0)
-    splits = max(1, min(MAX_SPLITS, programs // db_blocks(M, r_pad), cdiv(N, align)))
+    splits = max(1, min(MAX_SPLITS, programs // db_blocks(M), cdiv(N, align)))
     n_per_split = cdiv(cdiv(N, splits), align) * align
     return cdiv(N, n_per_split), n_per_split
 
@@ -167,8 +166,8 @@ def lora_shrink_db(
     if hit:
         splits, n_per_split = site.info
     else:
-        splits, n_per_split = column_splits(M, N, r_pad, dev)
-    blocks = db_blocks(M, r_pad)
+        splits, n_per_split = column_splits(M, N, dev)
+    blocks = db_blocks(M)
     pdb = stream_buffer(_DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
     pg = stream_buffer(_G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
     count = stream_buffer(_G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
@@ -182,11 +181,11 @@ def lora_shrink_db(
 
     def build():
         static = (M, N, R, n_per_split, splits, *dy.stride(), *lora_B.stride(), *s_lora.stride(), *g.stride())
-        consts = {"DROP_POST": drop_post, "R_PAD": r_pad, "ROWS": db_rows(r_pad), **dot_options(dy.dtype)}
+        consts = {"DROP_POST": drop_post, "R_PAD": r_pad, "ROWS": db_rows(), **dot_options(dy.dtype)}
         return static, lambda meta: (blocks, splits), consts
 
     signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, drop_post, splits,
-                 db_rows(r_pad))  # fmt: skip
+                 db_rows())  # fmt: skip
     bound = launch(_SPEC, _lora_shrink_db_kernel, signature, tensors, runtime, build)
     if site is not None:
         site.info, site.bound = (splits, n_per_split), bound
