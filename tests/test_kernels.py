@@ -1008,6 +1008,30 @@ def test_gpu_odd_shapes_match_fp64(dtype, shape):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("drop", ["none", "post"])
+@pytest.mark.parametrize("r", [5, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypatch, dtype, r, drop):
+    # From 4096 tokens the Hopper backward takes dB's partial sums from G's launch (shrink_db). A last row block
+    # part-filled (4133 rows), a column split ending off the 128 alignment (N = 520), a rank tail (r = 5).
+    from parallel_lora.kernels import lora
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    torch.manual_seed(0)
+    inputs = make_inputs(4133, 1024, 520, r, dtype, device="cuda")
+    lora._BACKWARD_SITES.clear()
+    check_against_eager(*inputs, SCALE, DROPOUTS[drop], tol=GPU_TOL[dtype])
+    x, weight, b, lora_A, lora_B, dy = inputs
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS[drop])
+    launched = _count_launches(monkeypatch)  # sees bound launches only: the layout's first call went before
+    runs = [kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, DROPOUTS[drop]) for _ in range(2)]
+    assert launched == ["shrink_db", "dx_grads"] * 2
+    assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
+@gpu
+@needs_cuda
 def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     torch.manual_seed(0)
     x, weight, b, lora_A, lora_B, dy = make_inputs(4096, 1024, 2048, 16, torch.bfloat16, device="cuda")
