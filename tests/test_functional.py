@@ -624,9 +624,11 @@ def test_dropout_refuses_cuda_graph_capture(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
+@pytest.mark.parametrize("tokens", [2048, 4096])
+def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit(tokens):
     # Short sequences are host-bound; a user captures the step in a CUDA graph. The fused kernels (bound
-    # launches, per-stream workspaces, in-kernel counters left at zero) must replay to the eager results.
+    # launches, per-stream workspaces, in-kernel counters left at zero) must replay to the eager results. From
+    # 4096 tokens the backward takes dB's partials from G's launch (kernels/shrink_db.py): more workspaces.
     from parallel_lora import LoRAConfig, LoRALinear
 
     torch.manual_seed(0)
@@ -634,8 +636,8 @@ def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
     layer = LoRALinear(1024, 768, cfg, dtype=BF16, device="cuda")
     torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
     params = [layer.lora_A.weight, layer.lora_B.weight]
-    x = torch.randn(2048, 1024, device="cuda", dtype=BF16, requires_grad=True)
-    dy = torch.randn(2048, 768, device="cuda", dtype=BF16)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(tokens, 768, device="cuda", dtype=BF16)
 
     def step():
         y = layer(x)
@@ -660,8 +662,9 @@ def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit():
         for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
             assert torch.equal(a, b), name
     # A larger layer called eagerly on the capture's own stream grows that stream's workspaces (the adapter
-    # gradients' arrival counters and partial sums); the graph keeps the ones it captured, which must stay
-    # allocated: small tensors allocated next would otherwise take their memory and be overwritten by replays.
+    # gradients' arrival counters and partial sums, dB's partials); the graph keeps the ones it captured, which
+    # must stay allocated: small tensors allocated next would otherwise take their memory and be overwritten by
+    # replays.
     wide = LoRALinear(4096, 4096, cfg, dtype=BF16, device="cuda")
     longer = torch.randn(8192, 4096, device="cuda", dtype=BF16, requires_grad=True)
     with torch.cuda.stream(capture_stream):

@@ -1098,8 +1098,9 @@ def test_gpu_tma_workspace_is_shared_per_stream_and_right_on_two_streams():
 @needs_cuda
 def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_streams():
     # Dozens of splits per column tile: the last program to arrive sums every partial. Reading one before it
-    # landed, or a counter another stream bumped, would show as a wrong or a run-to-run different result.
-    from parallel_lora.kernels import rank_reduce
+    # landed, or a counter another stream bumped, would show as a wrong or a run-to-run different result. At
+    # these token counts dB comes from shrink_db's per-row-block partials, per-stream workspaces too.
+    from parallel_lora.kernels import rank_reduce, shrink_db
 
     torch.manual_seed(0)
     shapes = [(65536, 256, 256, 16), (8192, 1024, 512, 8)]
@@ -1124,8 +1125,9 @@ def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_st
             assert_matches(name, out, ref, mag, torch.bfloat16, GPU_TOL[torch.bfloat16])
         for later in runs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(runs[0][j], later[j], strict=True))
-    for count in rank_reduce._COUNTERS.values():
+    for count in (*rank_reduce._COUNTERS.values(), *shrink_db._G_COUNTERS.values()):
         assert not count.any(), "arrival counters were left non-zero"
+    assert len([key for key in shrink_db._DB_PARTIALS if key[1] in {s.cuda_stream for s in streams}]) == 2
 
 
 @gpu
