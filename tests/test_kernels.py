@@ -316,14 +316,17 @@ def test_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, case):
     lora._BACKWARD_SITES.clear()
 
 
-def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_on_gpu(monkeypatch):
-    # The sizes where the H200 measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the interpreter takes the
-    # path at every size, so that the tests' small problems exercise it.
+def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_while_they_stay_small(monkeypatch):
+    # The sizes where the H200 measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the partials, kept with the
+    # stream's workspaces, at most MAX_DB_PARTIALS_BYTES. The interpreter takes the path at every size that
+    # fits, so that the tests' small problems exercise it.
     from parallel_lora.kernels import shrink_db
 
     monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
-    assert shrink_db.takes_db_partials(8192, 16) and shrink_db.takes_db_partials(4096, 16)
-    assert not shrink_db.takes_db_partials(2048, 16) and not shrink_db.takes_db_partials(8192, 32)
+    takes = shrink_db.takes_db_partials
+    assert takes(8192, 4096, 16) and takes(4096, 4096, 16) and takes(8192, 14336, 16) and takes(16384, 14336, 16)
+    assert not takes(2048, 4096, 16) and not takes(8192, 4096, 32)
+    assert not takes(65536, 14336, 16) and takes(65536, 4096, 16) and not takes(131072, 4096, 16)
     assert shrink_db.db_rows() == 256 and shrink_db.db_blocks(8192) == 32
     monkeypatch.setattr(shrink_db, "sm_count", lambda index: 132)
     # 32 row blocks times 4 column splits of 1024: one wave of 128 programs on 132 SMs.
@@ -407,7 +410,7 @@ def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else
     assert launched == (["shrink", "gemm", "reduce"] if dtype == torch.float32 else ["shrink", "dx_grads"])
     launched.clear()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
-    g_launch = "shrink_db" if shrink_db.takes_db_partials(M, 16) else "shrink"
+    g_launch = "shrink_db" if shrink_db.takes_db_partials(M, 40, 16) else "shrink"
     assert launched == (["shrink", "gemm", "reduce"] if dtype == torch.float32 else [g_launch, "dx_grads"])
     launched.clear()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None, needs_dx=False)

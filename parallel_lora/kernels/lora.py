@@ -278,7 +278,7 @@ def backward_unchecked(
     if entry is None:
         fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
         # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
-        db_in_g = fused and needs_dB and not pre and takes_db_partials(dy.shape[0], pad_rank(lora_A.shape[0]))
+        db_in_g = fused and needs_dB and not pre and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
         entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
     *sites, w_nk, db_in_g = entry
     dx = dA = dB = None

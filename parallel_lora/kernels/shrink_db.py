@@ -105,15 +105,22 @@ N_ALIGN_INTERP = 32
 # dx_grads would otherwise read; larger ranks were not measured.
 MAX_DB_R_PAD = 16
 MIN_M_GPU = 4096
+# The partials stay allocated with the stream's other workspaces (``_interp.stream_buffer``) and grow with the
+# tokens: past this size the backward reduces dB from dy instead (64 MiB: 8192 x 14336 at r16 is 28 MiB; 65536
+# tokens at N = 14336 would hold 224 MiB).
+MAX_DB_PARTIALS_BYTES = 64 << 20
 # Programs per SM the column splits aim at (one wave).
 PROGRAMS_PER_SM = 1
 # At most this many column splits: the row block's last arrival sums that many G partials alone.
 MAX_SPLITS = 8
 
 
-def takes_db_partials(M: int, r_pad: int) -> bool:
-    """Whether a fused backward of ``M`` tokens at padded rank ``r_pad`` takes dB's partials from this launch."""
-    return r_pad <= MAX_DB_R_PAD and M >= (0 if interpreting() else MIN_M_GPU)
+def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
+    """Whether a fused backward of ``M`` tokens, ``N`` output features and padded rank ``r_pad`` takes dB's
+    partials from this launch."""
+    if r_pad > MAX_DB_R_PAD or db_blocks(M) * N * r_pad * 4 > MAX_DB_PARTIALS_BYTES:
+        return False
+    return M >= (0 if interpreting() else MIN_M_GPU)
 
 
 def db_rows() -> int:
