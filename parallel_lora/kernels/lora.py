@@ -12,7 +12,8 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
               (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs; from
               4096 tokens at r <= 16 without "pre" dropout, G's launch also writes dB's partial sums per row
-              block from its read of dy, and the dx launch sums those instead of reading dy again: shrink_db)
+              block from its read of dy, and the dx launch sums those instead of reading dy again, while they
+              take at most 64 MiB: shrink_db)
 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
