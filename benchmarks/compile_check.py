@@ -31,6 +31,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel_lora.kernels import LAUNCH_MODULES, configs, dx_grads, gemm, rank_reduce, shrink, shrink_db, shrink_gemm  # noqa: E402
+from parallel_lora.kernels._interp import pad_rank  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on the H100 / H200
 TARGET = triton.backends.compiler.GPUTarget("cuda", 90, 32)
@@ -83,6 +84,8 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
             dy, W, False, G, A, x, None, db_partials=torch.empty(0), db_parts=shrink_db.db_blocks(M)
         ),
     }
+    if pad_rank(r) > shrink_db.MAX_DB_R_PAD:  # the backward takes G with dB's partials up to that rank only
+        del calls["shrink_db"], calls["dx_grads_db_sums"]
     launches = {}
     for name, call in calls.items():
         captured.clear()

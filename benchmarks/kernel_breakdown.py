@@ -52,11 +52,12 @@ from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
 from parallel_lora import kernels  # noqa: E402
 from parallel_lora.dropout import Dropout  # noqa: E402
 from parallel_lora.kernels import configs, gemm, lora  # noqa: E402
+from parallel_lora.kernels._interp import pad_rank  # noqa: E402
 from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
 from parallel_lora.kernels.gemm import lora_gemm  # noqa: E402
 from parallel_lora.kernels.rank_reduce import lora_adapter_grads  # noqa: E402
 from parallel_lora.kernels.shrink import lora_shrink  # noqa: E402
-from parallel_lora.kernels.shrink_db import lora_shrink_db  # noqa: E402
+from parallel_lora.kernels.shrink_db import MAX_DB_R_PAD, lora_shrink_db  # noqa: E402
 from parallel_lora.kernels.shrink_gemm import lora_shrink_gemm  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
@@ -180,10 +181,13 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         "reduce_both_dB": rel(lora_adapter_grads(x, G, dy, S)[1], dy.float().t() @ S.float()),
     }
     fused = lora_dx_and_grads(dy, W, False, G, A, x, S)
-    g_db, pdb, blocks = lora_shrink_db(dy, B, S, s)
-    checks["shrink_db_G"] = rel(g_db, s * dy.float() @ B.float())
-    sums = lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks)
-    checks["dx_grads_db_sums_dB"] = rel(sums[2], dy.float().t() @ S.float())
+    # G with dB's partials runs at the ranks the backward takes it (shrink_db.MAX_DB_R_PAD) only.
+    with_db = pad_rank(r) <= MAX_DB_R_PAD
+    if with_db:
+        g_db, pdb, blocks = lora_shrink_db(dy, B, S, s)
+        checks["shrink_db_G"] = rel(g_db, s * dy.float() @ B.float())
+        sums = lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks)
+        checks["dx_grads_db_sums_dB"] = rel(sums[2], dy.float().t() @ S.float())
     refs = (dx_ref, G.float().t() @ x.float(), dy.float().t() @ S.float())
     checks.update({f"dx_grads_{n}": rel(t, ref) for n, t, ref in zip(("dx", "dA", "dB"), fused, refs, strict=True)})
     y_fused, s_fused = lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s)
@@ -227,10 +231,7 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
             lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
             None,
         ),
-        # G and dB's partials from one read of dy, then dx with dA and dB's sums (the r <= 32 backward).
-        "shrink_db": (lambda: lora_shrink_db(dy, B, S, s), dy.numel() * 2),
-        "dx_grads_db_sums": (lambda: lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks),
-                             None),  # fmt: skip
+
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
         "forward_separate": (separate_launches(lambda: kernels.forward(x, W, None, A, B, s, None)), None),
@@ -238,6 +239,11 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
         "backward_drop": (lambda: kernels.backward(dy, x, W, A, B, S, s, drop), None),
         "backward_separate": (separate_launches(lambda: kernels.backward(dy, x, W, A, B, S, s, None)), None),
     }
+    if with_db:  # G and dB's partials from one read of dy, then dx with dA and the sums of dB's partials
+        cases["shrink_db"] = (lambda: lora_shrink_db(dy, B, S, s), dy.numel() * 2)
+        cases["dx_grads_db_sums"] = (
+            lambda: lora_dx_and_grads(dy, W, False, G, A, x, None, db_partials=pdb, db_parts=blocks), None
+        )
     if only:
         cases = {name: case for name, case in cases.items() if name in only}
     times = time_in_rounds({name: fn for name, (fn, _) in cases.items()}, rounds, lambda fn: bench(fn, reps))
