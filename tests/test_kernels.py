@@ -316,7 +316,7 @@ def test_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, case):
     lora._BACKWARD_SITES.clear()
 
 
-def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_while_they_stay_small(monkeypatch):
+def test_db_partials_are_taken_from_8192_tokens_at_ranks_up_to_16_while_they_stay_small(monkeypatch):
     # The sizes where the H200 measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the partials, kept with the
     # stream's workspaces, at most MAX_DB_PARTIALS_BYTES. The interpreter takes the path at every size that
     # fits, so that the tests' small problems exercise it.
@@ -324,8 +324,8 @@ def test_db_partials_are_taken_from_4096_tokens_at_ranks_up_to_16_while_they_sta
 
     monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
     takes = shrink_db.takes_db_partials
-    assert takes(8192, 4096, 16) and takes(4096, 4096, 16) and takes(8192, 14336, 16) and takes(16384, 14336, 16)
-    assert not takes(2048, 4096, 16) and not takes(8192, 4096, 32)
+    assert takes(8192, 4096, 16) and takes(8192, 14336, 16) and takes(16384, 14336, 16)
+    assert not takes(4096, 4096, 16) and not takes(2048, 4096, 16) and not takes(8192, 4096, 32)
     assert not takes(65536, 14336, 16) and takes(65536, 4096, 16) and not takes(131072, 4096, 16)
     assert shrink_db.db_rows() == 256 and shrink_db.db_blocks(8192) == 32
     monkeypatch.setattr(shrink_db, "sm_count", lambda index: 132)
@@ -1015,14 +1015,14 @@ def test_gpu_odd_shapes_match_fp64(dtype, shape):
 @pytest.mark.parametrize("r", [5, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypatch, dtype, r, drop):
-    # From 4096 tokens the Hopper backward takes dB's partial sums from G's launch (shrink_db). A last row block
-    # part-filled (4133 rows), a column split ending off the 128 alignment (N = 520), a rank tail (r = 5).
+    # From 8192 tokens the Hopper backward takes dB's partial sums from G's launch (shrink_db). A last row block
+    # part-filled (8229 rows), a column split ending off the 128 alignment (N = 520), a rank tail (r = 5).
     from parallel_lora.kernels import lora
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("no TMA before Hopper")
     torch.manual_seed(0)
-    inputs = make_inputs(4133, 1024, 520, r, dtype, device="cuda")
+    inputs = make_inputs(8229, 1024, 520, r, dtype, device="cuda")
     lora._BACKWARD_SITES.clear()
     check_against_eager(*inputs, SCALE, DROPOUTS[drop], tol=GPU_TOL[dtype])
     x, weight, b, lora_A, lora_B, dy = inputs

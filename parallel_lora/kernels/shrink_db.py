@@ -101,10 +101,11 @@ N_ALIGN_GPU = 128
 N_ALIGN_INTERP = 32
 # Where this path is taken (``takes_db_partials``), as measured on the H200 (benchmarks/NOTES.md, session 21): the
 # backward at 8192 x 4096 -> 4096 r16 -2% (three runs), at M = 2048 +1% (two runs: there the dx launch has
-# little tail to remove). The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against dy's 64 MiB that
-# dx_grads would otherwise read; larger ranks were not measured.
+# little tail to remove); 4096 tokens were not measured, and there the ~10 us of host time the path adds per
+# backward could show in eager launches. The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against
+# dy's 64 MiB that dx_grads would otherwise read; larger ranks were not measured.
 MAX_DB_R_PAD = 16
-MIN_M_GPU = 4096
+MIN_M_GPU = 8192
 # The partials stay allocated with the stream's other workspaces (``_interp.stream_buffer``) and grow with the
 # tokens: past this size the backward reduces dB from dy instead (64 MiB: 8192 x 14336 at r16 is 28 MiB; 65536
 # tokens at N = 14336 would hold 224 MiB).
