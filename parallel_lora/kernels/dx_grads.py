@@ -171,10 +171,9 @@ def lora_dx_and_grads(
     dx = torch.empty((M, K), device=dev, dtype=dtype)
     if want_a or want_b:
         problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora)
-    else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G) for their pointers
-        problems = grad_problems(dy, g, None, None)
+    else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G, G) for their pointers
+        problems = None, None, (dy, g, g), (dy, g, g)
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = problems
-    dA = dA if want_a else None
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:

@@ -283,27 +283,20 @@ def backward_unchecked(
         entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
     *sites, w_nk, db_in_g = entry
     dx = dA = dB = None
-    g = None
+    g, pdb, blocks = None, None, 0
     if db_in_g:
-        # G and dB's partials from one read of dy, then dx with dA and dB's sums on the GEMM's spare SMs.
+        # G and dB's partials from one read of dy: the dx launch then sums those instead of reading dy for dB.
         g, pdb, blocks = lora_shrink_db(
             dy, lora_B, s_lora, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0]
         )
-        w = weight.t() if w_nk else weight
-        dx, dA, dB = lora_dx_and_grads(
-            dy, w, w_nk, g, lora_A, x if needs_dA else None, None, db_partials=pdb, db_parts=blocks,
-            lora_drop=pre, k_offset=k_offset, **_drop_kwargs(drop), site=sites[1],
-        )  # fmt: skip
-        _BACKWARD_SITES[key] = entry
-        return dx, dA, dB
-    if needs_dx or needs_dA:
+    elif needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
     if w_nk is not None:
         # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
         w = weight.t() if w_nk else weight
         dx, dA, dB = lora_dx_and_grads(
-            dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB else None,
-            lora_drop=pre, k_offset=k_offset, **_drop_kwargs(drop), site=sites[1],
+            dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB and not db_in_g else None,
+            lora_drop=pre, k_offset=k_offset, db_partials=pdb, db_parts=blocks, **_drop_kwargs(drop), site=sites[1],
         )  # fmt: skip
         _BACKWARD_SITES[key] = entry
         return dx, dA, dB
