@@ -3,26 +3,26 @@ rows per program and programs per SM, in back-to-back GPU time (needs CUDA).
 
     python benchmarks/probe_shrink_db.py --shapes "8192,4096,4096,16;2048,4096,4096,16" --out probe_shrink_db.json
 
-Cases per shape, timed in interleaved rounds (``rounds.time_in_rounds``) by ``kernel_breakdown.back_to_back``:
-``old_G`` (``shrink``), ``old_dx_grads`` (the fused dx launch reducing dA and dB), ``old_backward`` (the two), and for
-each variant ``ROWSxPER_SM`` ``db_*`` (``shrink_db`` alone) and ``backward_*`` (``shrink_db``, then the fused dx launch
-summing its partials). A variant patches ``shrink_db.db_rows`` and ``shrink_db.PROGRAMS_PER_SM`` for its calls;
-each variant's dB is checked against fp32 torch first. Experiments, not library code.
+Cases per shape, timed in interleaved rounds by ``kernel_breakdown.back_to_back`` (``probe_gemm.rows_in_rounds``,
+which adds each case's ratio to cuBLAS's ``dy @ W`` of the same round): ``cublas_dx``, ``old_G`` (``shrink``),
+``old_dx_grads`` (the fused dx launch reducing dA and dB), ``old_backward`` (the two), and for each variant
+``ROWSxPER_SM`` ``db_*`` (``shrink_db`` alone) and ``backward_*`` (``shrink_db``, then the fused dx launch summing
+its partials). A variant patches ``shrink_db.db_rows`` and ``shrink_db.PROGRAMS_PER_SM`` for its calls; each
+variant's dB is checked against fp32 torch first. Experiments, not library code.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_breakdown import back_to_back, problem  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import problem  # noqa: E402  (benchmarks/ is this script's directory)
+from probe_gemm import rows_in_rounds  # noqa: E402
 from report import parse_shapes, run_meta, write_json  # noqa: E402
-from rounds import time_in_rounds  # noqa: E402
 
 from parallel_lora.kernels import shrink_db  # noqa: E402
 from parallel_lora.kernels.dx_grads import lora_dx_and_grads  # noqa: E402
@@ -47,6 +47,7 @@ def cases(M: int, K: int, N: int, r: int) -> dict:
     S, G = lora_shrink(x, A.t(), s), lora_shrink(dy, B, s)
     ref_db = dy.float().t() @ S.float()
     out = {
+        "cublas_dx": lambda: dy @ W,
         "old_G": lambda: lora_shrink(dy, B, s),
         "old_dx_grads": lambda: lora_dx_and_grads(dy, W, False, G, A, x, S),
         "old_backward": lambda: lora_dx_and_grads(dy, W, False, lora_shrink(dy, B, s), A, x, S),
@@ -79,12 +80,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for shape in parse_shapes(args.shapes):
-        times = time_in_rounds(cases(*shape), args.rounds, back_to_back(args.calls))
-        print(",".join(map(str, shape)))
-        for name, ms in times.items():
-            us = [t * 1e3 for t in ms]
-            rows.append({"shape": list(shape), "case": name, "us": statistics.median(us), "us_rounds": us})
-            print(f"  {name:>16} " + " ".join(f"{t:7.1f}" for t in us) + f"  median {statistics.median(us):7.1f} us")
+        rows += rows_in_rounds(shape, cases(*shape), args.rounds, 0, profile=args.calls)
     write_json(args.out, {"meta": run_meta(), "rows": rows})
 
 
