@@ -41,7 +41,7 @@ def variant(rows: int, per_sm: int):
         shrink_db.db_rows, shrink_db.PROGRAMS_PER_SM = saved
 
 
-def cases(M: int, K: int, N: int, r: int) -> dict:
+def cases(M: int, K: int, N: int, r: int, variants=VARIANTS) -> dict:
     x, W, A, B, dy = problem(M, K, N, r)
     s = 2.0
     S, G = lora_shrink(x, A.t(), s), lora_shrink(dy, B, s)
@@ -52,7 +52,7 @@ def cases(M: int, K: int, N: int, r: int) -> dict:
         "old_dx_grads": lambda: lora_dx_and_grads(dy, W, False, G, A, x, S),
         "old_backward": lambda: lora_dx_and_grads(dy, W, False, lora_shrink(dy, B, s), A, x, S),
     }
-    for rows, per_sm in VARIANTS:
+    for rows, per_sm in variants:
 
         def db(rows=rows, per_sm=per_sm):
             with variant(rows, per_sm):
@@ -76,11 +76,17 @@ def main():
     parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;2048,4096,4096,16")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20, help="calls back to back per timing")
+    parser.add_argument(
+        "--variants",
+        default=",".join(f"{r}x{s}" for r, s in VARIANTS),
+        help="ROWSxPER_SM,... (rows per program x programs per SM)",
+    )
     parser.add_argument("--out", default="probe_shrink_db.json")
     args = parser.parse_args()
+    variants = [tuple(int(v) for v in item.split("x")) for item in args.variants.split(",")]
     rows = []
     for shape in parse_shapes(args.shapes):
-        rows += rows_in_rounds(shape, cases(*shape), args.rounds, 0, profile=args.calls)
+        rows += rows_in_rounds(shape, cases(*shape, variants), args.rounds, 0, profile=args.calls)
     write_json(args.out, {"meta": run_meta(), "rows": rows})
 
 
