@@ -256,7 +256,7 @@ def test_fused_dx_and_grads_equal_the_separate_launches_bit_for_bit(monkeypatch,
 
 @pytest.mark.parametrize("wanted", [("dA", "dB"), ("dB",)], ids="+".join)
 @pytest.mark.parametrize("drop", ["none", "post"])
-@pytest.mark.parametrize("r", [5, 16])
+@pytest.mark.parametrize("r", [5, 16, 20])
 def test_backward_takes_g_and_db_partials_from_one_read_of_dy(monkeypatch, r, drop, wanted):
     # Up to shrink_db.MAX_DB_R_PAD the TMA backward launches shrink_db (G and dB's per-row-block partials from one
     # read of dy; several row blocks and column splits here, whose G partials the last arrival sums), then
@@ -316,8 +316,8 @@ def test_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, case):
     lora._BACKWARD_SITES.clear()
 
 
-def test_db_partials_are_taken_from_8192_tokens_at_ranks_up_to_16_while_they_stay_small(monkeypatch):
-    # The sizes where the H200 measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the partials, kept with the
+def test_db_partials_are_taken_from_8192_tokens_at_ranks_up_to_32_while_they_stay_small(monkeypatch):
+    # The sizes where the GPUs measured a gain (shrink_db.MIN_M_GPU, MAX_DB_R_PAD); the partials, kept with the
     # stream's workspaces, at most MAX_DB_PARTIALS_BYTES. The interpreter takes the path at every size that
     # fits, so that the tests' small problems exercise it.
     from parallel_lora.kernels import shrink_db
@@ -325,7 +325,8 @@ def test_db_partials_are_taken_from_8192_tokens_at_ranks_up_to_16_while_they_sta
     monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
     takes = shrink_db.takes_db_partials
     assert takes(8192, 4096, 16) and takes(8192, 14336, 16) and takes(16384, 14336, 16)
-    assert not takes(4096, 4096, 16) and not takes(2048, 4096, 16) and not takes(8192, 4096, 32)
+    assert takes(8192, 4096, 32) and takes(8192, 14336, 32) and not takes(16384, 14336, 32)
+    assert not takes(4096, 4096, 16) and not takes(2048, 4096, 16) and not takes(8192, 4096, 64)
     assert not takes(65536, 14336, 16) and takes(65536, 4096, 16) and not takes(131072, 4096, 16)
     assert shrink_db.db_rows() == 256 and shrink_db.db_blocks(8192) == 32
     monkeypatch.setattr(shrink_db, "sm_count", lambda index: 132)
@@ -732,15 +733,17 @@ def _spec(kernel):
 
 
 @pytest.mark.parametrize("smem_limit", [101_376, 232_448], ids=["100KB", "H200"])
-@pytest.mark.parametrize("r_pad", [16, 64, 256])
+@pytest.mark.parametrize("r_pad", [16, 32, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kernel", list(_SPECS))
 def test_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, smem_limit):
+    from parallel_lora.kernels import shrink_db
+
     if kernel in ("gemm_tma", "dx_grads", "shrink_gemm") and dtype == torch.float32:
         pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
     if kernel == "shrink_gemm" and r_pad > 64:
         pytest.skip("ranks above 64 keep the separate shrink (shrink_gemm.MAX_FUSED_R_PAD)")
-    if kernel == "shrink_db" and (r_pad > 16 or dtype == torch.float32):
+    if kernel == "shrink_db" and (r_pad > shrink_db.MAX_DB_R_PAD or dtype == torch.float32):
         pytest.skip("shrink_db runs before the fused dx launch (16-bit), at ranks up to shrink_db.MAX_DB_R_PAD")
     spec, sizes = _spec(kernel)
     consts = _consts(kernel, r_pad, monkeypatch)
@@ -1012,11 +1015,12 @@ def test_gpu_odd_shapes_match_fp64(dtype, shape):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("drop", ["none", "post"])
-@pytest.mark.parametrize("r", [5, 16])
+@pytest.mark.parametrize("r", [5, 16, 20])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypatch, dtype, r, drop):
     # From 8192 tokens the Hopper backward takes dB's partial sums from G's launch (shrink_db). A last row block
-    # part-filled (8229 rows), a column split ending off the 128 alignment (N = 520), a rank tail (r = 5).
+    # part-filled (8229 rows), a column split ending off the 128 alignment (N = 520), rank tails (r = 5 in a 16-wide
+    # rank tile, r = 20 in a 32-wide one).
     from parallel_lora.kernels import lora
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -1260,7 +1264,7 @@ def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly(
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("r", [16, 64, 256])
+@pytest.mark.parametrize("r", [16, 32, 64, 256])
 @pytest.mark.parametrize("op", ["dx_grads", "dx_grads_db_sums", "shrink_gemm", "shrink_db"])
 def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
     # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two

@@ -11,7 +11,7 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
               dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
               (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs; from
-              8192 tokens at r <= 16 without "pre" dropout, G's launch also writes dB's partial sums per row
+              8192 tokens at r <= 32 without "pre" dropout, G's launch also writes dB's partial sums per row
               block from its read of dy, and the dx launch sums those instead of reading dy again, while they
               take at most 64 MiB: shrink_db)
 

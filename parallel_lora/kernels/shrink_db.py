@@ -7,7 +7,7 @@ Why: the fused backward launch (``dx_grads``) reduces dA (a read of x) and dB (a
 spare SMs, and at 8192 x 4096 -> 4096 r16 the two together overflow that spare time by ~21 us, where either one
 alone fits (NOTES.md, session 20). The G launch before it reads all of dy anyway; here each dy tile it loads also
 feeds ``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``rank_reduce.sum_partials``,
-~1/8 of dy's bytes at r <= 16) instead of reading dy again.
+~1/8 of dy's bytes at r16, ~1/4 at r32) instead of reading dy again.
 
 A program owns ``ROWS`` rows (a fixed function of the shape, never of the tuned config, so that the sums run in
 the same order whatever the tuner picks) and one of ``splits`` ranges of dy's columns; it streams its
@@ -99,16 +99,17 @@ _G_COUNTERS: dict[tuple, torch.Tensor] = {}
 # The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
 N_ALIGN_GPU = 128
 N_ALIGN_INTERP = 32
-# Where this path is taken (``takes_db_partials``), as measured on the H200 (benchmarks/NOTES.md, session 21): the
-# backward at 8192 x 4096 -> 4096 r16 -2% (three runs), at M = 2048 +1% (two runs: there the dx launch has
-# little tail to remove); 4096 tokens were not measured, and there the ~10 us of host time the path adds per
-# backward could show in eager launches. The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against
-# dy's 64 MiB that dx_grads would otherwise read; larger ranks were not measured.
-MAX_DB_R_PAD = 16
+# Where this path is taken (``takes_db_partials``), as measured (benchmarks/NOTES.md, sessions 21 and 22): the
+# backward at 8192 x 4096 -> 4096 r16 -2% on the H200 (three runs) and on an H100; r32 -2.7% on the H100, r64 +2%
+# there (G's launch then costs twice the plain G's 26 us). At 4096 tokens no change on the H100, at 2048 +1% on
+# the H200 (the dx launch has little tail to remove there), and below 8192 the ~10 us of host time the path adds
+# per backward could show in eager launches. The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against
+# dy's 64 MiB that dx_grads would otherwise read.
+MAX_DB_R_PAD = 32
 MIN_M_GPU = 8192
 # The partials stay allocated with the stream's other workspaces (``_interp.stream_buffer``) and grow with the
-# tokens: past this size the backward reduces dB from dy instead (64 MiB: 8192 x 14336 at r16 is 28 MiB; 65536
-# tokens at N = 14336 would hold 224 MiB).
+# tokens: past this size the backward reduces dB from dy instead (64 MiB: 8192 x 14336 is 28 MiB at r16, 56 at
+# r32; 65536 tokens at N = 14336 would hold 224 MiB at r16).
 MAX_DB_PARTIALS_BYTES = 64 << 20
 # Programs per SM the column splits aim at (one wave).
 PROGRAMS_PER_SM = 1
@@ -126,8 +127,8 @@ def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
 
 def db_rows() -> int:
     """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as G's
-    ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256 at r_pad <= 16: 16
-    registers a thread; fewer rows and 2 programs an SM measured slower, NOTES.md, session 21)."""
+    ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256: 16 registers a thread at
+    r_pad 16, 32 at r_pad 32; fewer rows and 2 programs an SM measured slower, NOTES.md, sessions 21 and 22)."""
     return 32 if interpreting() else 256
 
 
