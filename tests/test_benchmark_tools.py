@@ -79,3 +79,53 @@ def test_wgmma_loops_reports_the_integer_work_between_hgmma_issues():
     # One loop issues two HGMMAs with three integer instructions between them (what delays the tensor cores);
     # the other loop issues none and is not reported.
     assert wgmma_loops(SASS) == [{"instructions": 7, "hgmma": 2, "integer": 3, "max_gap": 3}]
+
+
+_FAKE_TESTS = """
+import os, signal, time
+import pytest
+
+pytestmark = pytest.mark.fake
+
+def test_passes():
+    pass
+
+def test_is_stuck():
+    time.sleep(60)
+
+def test_fails():
+    assert False
+
+def test_crashes():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def test_runs_after_the_crash():
+    pass
+"""
+
+
+def test_gpu_test_runner_times_out_a_stuck_test_and_goes_on_after_it_and_after_a_crash(tmp_path):
+    # benchmarks/gpu_tests.py: one stuck test must cost only itself (session 22 lost 16 GPU tests to a timeout
+    # around one pytest process), and a crash must not take the tests after it along.
+    import io
+
+    from benchmarks.gpu_tests import collect, run_all
+
+    (tmp_path / "test_fake.py").write_text(_FAKE_TESTS)
+    (tmp_path / "test_other.py").write_text("def test_unmarked():\n    pass\n")
+    ids = collect("fake", ["."], "", cwd=tmp_path)
+    assert [i.split("::")[1] for i in ids] == [
+        "test_passes", "test_is_stuck", "test_fails", "test_crashes", "test_runs_after_the_crash",
+    ]  # fmt: skip
+    log = io.StringIO()
+    rows = run_all(ids, "fake", timeout=4.0, budget=120.0, log=log, cwd=tmp_path)
+    outcomes = {row["test"].split("::")[1]: row["outcome"] for row in rows}
+    assert outcomes == {
+        "test_passes": "passed",
+        "test_is_stuck": "timeout",
+        "test_fails": "failed",
+        "test_crashes": "crashed",
+        "test_runs_after_the_crash": "passed",
+    }, log.getvalue()
+    assert "Timeout" in log.getvalue()  # pytest's faulthandler dumped the stuck test's stack before the kill
+    assert [row["outcome"] for row in run_all(ids, "fake", 4.0, 0.0, io.StringIO(), tmp_path)] == ["not run"] * 5
