@@ -2,6 +2,7 @@
 
     python benchmarks/probe_configs.py --shapes 8192,4096,4096,16 --rounds 3 --out probe_configs.json
     python benchmarks/probe_configs.py --kinds gemm_y,gemm_dx     # the GEMM core alone (r = 0), with cuBLAS
+    python benchmarks/probe_configs.py --kinds gemm_y,gemm_dx --profile 20   # kernel time, 20 calls back to back
 
 The GEMM core (``gemm_y`` / ``gemm_dx``: the TMA GEMM with a rank of zero, both orientations) is timed for
 every row of ``configs.gemm_tma_configs`` and the tile orders and K steps of ``GEMM_ROWS``, each against cuBLAS
@@ -32,7 +33,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_breakdown import bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
+from kernel_breakdown import back_to_back, bench, problem, rel  # noqa: E402  (benchmarks/ is this script's directory)
 from probe_spare import bound_with  # noqa: E402
 from report import parse_shapes, run_meta, write_json  # noqa: E402
 from rounds import ratio_over_rounds, time_in_rounds  # noqa: E402
@@ -65,7 +66,7 @@ def label(cfg: triton.Config) -> str:
     return "x".join(str(v) for v in cfg.kwargs.values()) + f"s{cfg.num_stages}w{cfg.num_warps}"
 
 
-def run_shape(M, K, N, r, reps, rounds, only=None, labels=None):
+def run_shape(M, K, N, r, reps, rounds, only=None, labels=None, profile=0):
     dev, dt = "cuda", torch.bfloat16
     x, W, _, B, dy = problem(M, K, N, r)
     G = (dy.float() @ B.float()).to(dt)
@@ -107,7 +108,7 @@ def run_shape(M, K, N, r, reps, rounds, only=None, labels=None):
         if not err < 1e-2:
             print(f"  {name}: rel err {err:.3g}, dropped")
             del cases[name]
-    times = time_in_rounds(cases, rounds, lambda fn: bench(fn, reps))
+    times = time_in_rounds(cases, rounds, back_to_back(profile) if profile else lambda fn: bench(fn, reps))
     rows = []
     for name in cases:
         ms = statistics.median(times[name])
@@ -129,7 +130,9 @@ def main():
     parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per case")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all cases of a shape")
     parser.add_argument("--kinds", default="", help="comma-separated subset of gemm_y, gemm_dx, shrink, reduce")
-    parser.add_argument("--configs", default="", help="comma-separated config labels to keep (e.g. 128x256x64x8s3w8)")
+    parser.add_argument("--configs", default="", help="comma-separated config labels to keep (e.g. 128x256x64x8x2s3w8)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="time each case by its kernels' GPU time over this many calls back to back (no L2 flush)")
     parser.add_argument("--out", default="probe_configs.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -138,7 +141,7 @@ def main():
     only = set(args.kinds.split(",")) if args.kinds else None
     labels = set(args.configs.split(",")) if args.configs else None
     for shape in parse_shapes(args.shapes):
-        rows += run_shape(*shape, args.reps, args.rounds, only, labels)
+        rows += run_shape(*shape, args.reps, args.rounds, only, labels, args.profile)
     write_json(args.out, {"meta": run_meta(), "rows": rows})
     print(f"wrote {args.out}")
 
