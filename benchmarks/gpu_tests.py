@@ -15,7 +15,6 @@ which says where a stuck test waits. Prints a table, writes ``{"meta": ..., "row
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -25,6 +24,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
+
 # ``-v`` prints a test's node id when it starts and its outcome when it ends: ``path::name[id] PASSED [ 10%]``
 # (the outcome alone on a line when a stack dump came in between).
 _OUTCOMES = "PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR"
@@ -101,10 +104,21 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_all(ids: list[str], marker: str, timeout: float, budget: float, log, cwd: Path = ROOT) -> list[dict]:
-    """Every id in order, a new process after each timeout, none started after ``budget`` seconds."""
+def run_all(
+    ids: list[str], marker: str, timeout: float, budget: float, log, cwd: Path = ROOT, on_rows=None
+) -> list[dict]:
+    """Every id in order, a new process after each timeout, none started after ``budget`` seconds. ``on_rows``
+    gets the rows so far after each process (tests not reached yet: ``not run``)."""
     deadline = time.monotonic() + budget
     results: dict[str, tuple[str, float]] = {}
+
+    def rows() -> list[dict]:
+        out = []
+        for i in ids:
+            outcome, seconds = results.get(i, ("not run", 0.0))
+            out.append({"test": i, "outcome": outcome, "seconds": round(seconds, 1)})
+        return out
+
     while time.monotonic() < deadline:
         left = [i for i in ids if i not in results]
         if not left:
@@ -116,11 +130,9 @@ def run_all(ids: list[str], marker: str, timeout: float, budget: float, log, cwd
             results[missing[0]] = ("crashed", 0.0)
         elif rc is not None:  # tests it never reported (a collection error, say): the log says why
             results.update({i: ("unreported", 0.0) for i in missing})
-    rows = []
-    for i in ids:
-        outcome, seconds = results.get(i, ("not run", 0.0))
-        rows.append({"test": i, "outcome": outcome, "seconds": round(seconds, 1)})
-    return rows
+        if on_rows is not None:
+            on_rows(rows())
+    return rows()
 
 
 def main():
@@ -137,15 +149,20 @@ def main():
     ids = collect(args.marker, args.paths, args.keyword)
     if args.first:
         ids = [i for i in ids if args.first in i] + [i for i in ids if args.first not in i]
+    meta = {"command": " ".join(sys.argv)}
+
+    def save(rows: list[dict]) -> None:  # after every pytest process: a call cut short keeps what ran
+        write_json(args.out, {"meta": meta, "rows": rows})
+
     with open(args.log, "a") as log:
-        rows = run_all(ids, args.marker, args.test_timeout, args.budget, log)
+        rows = run_all(ids, args.marker, args.test_timeout, args.budget, log, on_rows=save)
+    save(rows)
     for row in rows:
         print(f"{row['outcome']:>8} {row['seconds']:7.1f} s  {row['test']}")
     counts = {}
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     print(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))
-    Path(args.out).write_text(json.dumps({"meta": {"command": " ".join(sys.argv)}, "rows": rows}, indent=1) + "\n")
     sys.exit(0 if set(counts) <= {"passed", "skipped", "xfail"} else 1)
 
 

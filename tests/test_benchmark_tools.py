@@ -117,8 +117,11 @@ def test_gpu_test_runner_times_out_a_stuck_test_and_goes_on_after_it_and_after_a
     assert [i.split("::")[1] for i in ids] == [
         "test_passes", "test_is_stuck", "test_fails", "test_crashes", "test_runs_after_the_crash",
     ]  # fmt: skip
-    log = io.StringIO()
-    rows = run_all(ids, "fake", timeout=4.0, budget=120.0, log=log, cwd=tmp_path)
+    log, saved = io.StringIO(), []
+    rows = run_all(ids, "fake", timeout=4.0, budget=120.0, log=log, cwd=tmp_path, on_rows=saved.append)
+    # Rows after each of the three processes (killed at the stuck test, crashed, done): what a cut call keeps.
+    assert [[row["outcome"] for row in snapshot][:2] for snapshot in saved] == [["passed", "timeout"]] * 3
+    assert saved[0][2]["outcome"] == "not run" and saved[-1] == rows
     outcomes = {row["test"].split("::")[1]: row["outcome"] for row in rows}
     assert outcomes == {
         "test_passes": "passed",
