@@ -134,6 +134,7 @@ def store_tile(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
         acc += bias[None, :].to(tl.float32)
+    tl.static_assert(EPI_SPLIT == 2 or EPI_SPLIT == 4, "EPI_SPLIT: the output tile is stored in halves or quarters")
     dtype = out_ptr.dtype.element_ty
     row, col = pid_m * BLOCK_M, pid_n * BLOCK_N
     left, right = _halves(acc, BLOCK_M, BLOCK_N)
