@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,9 +160,7 @@ def main():
     save(rows)
     for row in rows:
         print(f"{row['outcome']:>8} {row['seconds']:7.1f} s  {row['test']}")
-    counts = {}
-    for row in rows:
-        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    counts = Counter(row["outcome"] for row in rows)
     print(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))
     sys.exit(0 if set(counts) <= {"passed", "skipped", "xfail"} else 1)
 

@@ -231,7 +231,6 @@ def run_shape(M, K, N, r, reps, rounds=1, only=None, profile_calls=0):
             lambda: lora_dx_and_grads(dy, W, False, G, A, x, S, p=p, seed=1234, lora_drop=True),
             None,
         ),
-
         "forward": (lambda: kernels.forward(x, W, None, A, B, s, None), None),
         "forward_drop": (lambda: kernels.forward(x, W, None, A, B, s, drop), None),
         "forward_separate": (separate_launches(lambda: kernels.forward(x, W, None, A, B, s, None)), None),
