@@ -58,8 +58,8 @@ def reduce_config(bf, bm, stages, warps):
 
 
 def gemm_config(bm, bn, bk, group, stages, warps):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPI_SPLIT": 2},
-                         num_stages=stages, num_warps=warps)  # fmt: skip
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages,
+                         num_warps=warps)  # fmt: skip
 
 
 def label(cfg: triton.Config) -> str:

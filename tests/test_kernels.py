@@ -217,41 +217,6 @@ def test_fused_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch,
     lora._FORWARD_SITES.clear()
 
 
-@pytest.mark.parametrize("path", ["fused", "separate"])
-@pytest.mark.parametrize("drop", ["none", "pre"])
-def test_output_tiles_stored_in_quarters_equal_halves_bit_for_bit(monkeypatch, drop, path):
-    # The TMA GEMM's configs store the output tile in EPI_SPLIT column slices (the 4-stage config needs quarters
-    # to fit): the slices change where the tile is staged, never a value. y's last column tile holds 24 of 32
-    # columns and dx's 8 (whole quarters past the edge, clipped by the TMA store).
-    from parallel_lora.kernels import lora
-
-    if not INTERPRETING:
-        pytest.skip("the interpreter's configs; on the GPU the tuner picks EPI_SPLIT with the stages")
-    if path == "separate":
-        monkeypatch.setattr(lora, "_y_takes_fused", lambda *args: False)
-        monkeypatch.setattr(lora, "_dx_takes_fused", lambda *args: False)
-    x, weight, b, lora_A, lora_B, dy = make_inputs(37, 72, 56, 8, torch.bfloat16)
-    dropout = DROPOUTS[drop]
-
-    def step():
-        lora._FORWARD_SITES.clear()  # a site keeps the config it was bound with
-        lora._BACKWARD_SITES.clear()
-        launched = _count_launches(monkeypatch)
-        y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
-        grads = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout)
-        return (y, s_lora, *grads), launched
-
-    halves, launched = step()
-    assert "gemm_tma" in launched if path == "separate" else {"dx_grads"} <= set(launched)
-    for name in ("gemm_tma", "dx_grads", "shrink_gemm"):
-        monkeypatch.setitem(kconfigs.INTERP_CONFIGS, name, {**kconfigs.INTERP_CONFIGS[name], "EPI_SPLIT": 4})
-    quarters, _ = step()
-    for name, a, c in zip(("y", "S", "dx", "dA", "dB"), halves, quarters, strict=True):
-        assert torch.equal(a, c), name
-    lora._FORWARD_SITES.clear()
-    lora._BACKWARD_SITES.clear()
-
-
 @pytest.mark.parametrize("wanted", [("dA", "dB"), ("dA",), ("dB",)], ids="+".join)
 @pytest.mark.parametrize("drop", list(DROPOUTS))
 @pytest.mark.parametrize("shape", [(130, 64, 48), (9, 24, 16)], ids=["multi_split", "spare_program"])

@@ -102,34 +102,28 @@ def gemm_fits(cfg: dict, nargs: dict) -> bool:
 
 
 def gemm_tma_configs() -> list[triton.Config]:
-    """The persistent TMA GEMM (Hopper): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, EPI_SPLIT), the output tile
-    stored in ``EPI_SPLIT`` column slices (each staged in shared memory on its way to a TMA store). 128x256x64 in
-    3 stages with 8 warps is the shape that matched cuBLAS in the issue's probe; a 4th stage fits beside the rank
-    tiles only with the output staged in quarters (213 KB on sm_90a, Triton 3.6). cuBLAS runs this GEMM as
-    256x128x64 tiles in 4 stages (its kernel's name), and on an H100 our 3 stages read 1.048x it (NOTES.md,
-    session 22). The slices change no result: a config sets the pipeline and the store, never the sums."""
+    """The persistent TMA GEMM (Hopper): (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). 128x256x64 in 3 stages
+    with 8 warps is the shape that matched cuBLAS in the issue's probe. A 4th stage of it fits beside the rank tiles
+    only with the output tile stored in quarters, and an H100 timed that no faster (NOTES.md, session 23)."""
     rows = [
-        (128, 256, 64, 3, 8, 2),
-        (128, 256, 64, 4, 8, 4),
-        (256, 128, 64, 3, 8, 2),
-        (128, 128, 64, 4, 8, 2),
-        (64, 64, 64, 3, 4, 2),  # the fallback that fits ~100 KB (sm_120-class parts have TMA but less smem)
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (64, 64, 64, 3, 4),  # the fallback that fits ~100 KB (sm_120-class parts have TMA but less smem)
     ]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPI_SPLIT": e}, num_stages=s,
-                      num_warps=w)  # fmt: skip
-        for bm, bn, bk, s, w, e in rows
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in rows
     ]
 
 
 def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Per stage one x and one w tile and the 8-byte mbarrier its TMA loads arrive on; one of the output tile's
-    # ``EPI_SPLIT`` slices is staged in shared memory for its TMA store; the rank-r tiles of one chunk go through
-    # shared memory on their way to the tensor cores. (Without the barriers the "pre"-dropout dx GEMM compiled 24 B
-    # past the estimate on sm_90a, Triton 3.6 and 3.9: benchmarks/compile_check.py.)
+    # Per stage one x and one w tile and the 8-byte mbarrier its TMA loads arrive on; half the output tile is
+    # staged in shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their
+    # way to the tensor cores. (Without the barriers the "pre"-dropout dx GEMM compiled 24 B past the estimate on
+    # sm_90a, Triton 3.6 and 3.9: benchmarks/compile_check.py.)
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
-    staged = bm * bn // cfg["EPI_SPLIT"]
-    return (stages * (bm + bn) * bk + staged + (bm + bn) * br) * elem + stages * 8
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8
 
 
 def _with_spare_work(name: str, values: Sequence[int]) -> list[triton.Config]:
@@ -144,7 +138,7 @@ def dx_grads_configs() -> list[triton.Config]:
     """The backward's fused launch (``dx_grads``): the TMA GEMM's tiles, each with the column width
     ``RED_BLOCK_F`` of the adapter-gradient tiles its spare programs reduce (their M tile and stages are chosen
     from the rank, ``dx_grads.red_tiles``). The fallback row fits ~100 KB like the GEMM's."""
-    return _with_spare_work("RED_BLOCK_F", (128, 128, 128, 128, 32))
+    return _with_spare_work("RED_BLOCK_F", (128, 128, 128, 32))
 
 
 def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
@@ -159,16 +153,16 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 def shrink_gemm_configs() -> list[triton.Config]:
     """The forward's fused launch (``shrink_gemm``): the TMA GEMM's tiles, each with the K step ``S_BLOCK_K`` of
     the S rows its spare programs produce (``BLOCK_M`` rows at a time). The fallback row fits ~100 KB."""
-    return _with_spare_work("S_BLOCK_K", (128, 128, 128, 128, 64))
+    return _with_spare_work("S_BLOCK_K", (128, 128, 128, 64))
 
 
 def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # The producers' loop (x and A^T tiles, ``S_STAGES`` buffers) and the GEMM's run in different programs or one
     # after the other, so they share shared memory: the larger of the two, plus the atomics' slot. A tile that
-    # produces its own S does so while its previous tile's output staging (a slice) may still be draining
-    # (measured on sm_90, Triton 3.6: 163864 B at 128 x 128, r = 16, in halves).
+    # produces its own S does so while its previous tile's output staging (half a tile) may still be draining
+    # (measured on sm_90, Triton 3.6: 163864 B at 128 x 128, r = 16).
     bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
-    produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // cfg["EPI_SPLIT"]) * elem
+    produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // 2) * elem
     return max(gemm_tma_smem(cfg, stages, elem, consts), produce) + ATOMIC_SLOT
 
 
@@ -260,12 +254,12 @@ SMALL_WORK = 2**27
 
 INTERP_CONFIGS = {
     "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
-    "gemm_tma": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "EPI_SPLIT": 2},
+    "gemm_tma": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
     "shrink": {"BLOCK_M": 32, "BLOCK_K": 32},
     "reduce": {"BLOCK_F": 32, "BLOCK_M": 32},
     "shrink_db": {"BLOCK_N": 32},
-    "dx_grads": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "EPI_SPLIT": 2, "RED_BLOCK_F": 32},
-    "shrink_gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "EPI_SPLIT": 2, "S_BLOCK_K": 32},
+    "dx_grads": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "RED_BLOCK_F": 32},
+    "shrink_gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32},
 }
 
 

@@ -65,7 +65,7 @@ def _dx_and_grads_kernel(
     A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
+    RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -78,7 +78,7 @@ def _dx_and_grads_kernel(
             stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm, 0,
             keep_scale, p, seed_lo, seed_hi, k_offset, pid, gemm_programs,
             W_NK, False, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M, EPI_SPLIT,
+            GROUP_M,
         )  # fmt: skip
 
     num_items = (tl.cdiv(F_A, RED_BLOCK_F) + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits

@@ -91,16 +91,16 @@ def rank_term(
 @triton.jit
 def gemm_descriptors(
     x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The TMA descriptors of x's ``[BLOCK_M, BLOCK_K]`` tiles, w's tiles (``[BLOCK_N, BLOCK_K]`` of W when
-    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's ``[BLOCK_M, BLOCK_N // EPI_SPLIT]`` slices."""
+    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's half-width ``[BLOCK_M, BLOCK_N // 2]`` tiles."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
     if W_NK:
         w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
-    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // EPI_SPLIT])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
     return x_desc, w_desc, out_desc
 
 
@@ -127,34 +127,17 @@ def k_loop(
 @triton.jit
 def store_tile(
     acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Add the bias and store the tile through ``out_desc`` in ``EPI_SPLIT`` (2 or 4) column slices, rounded once
-    to ``out_ptr``'s dtype: a slice's staging in shared memory instead of the whole tile's."""
+    """Add the bias and store the tile through ``out_desc``, rounded once to ``out_ptr``'s dtype."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
         acc += bias[None, :].to(tl.float32)
-    tl.static_assert(EPI_SPLIT == 2 or EPI_SPLIT == 4, "EPI_SPLIT: the output tile is stored in halves or quarters")
-    dtype = out_ptr.dtype.element_ty
-    row, col = pid_m * BLOCK_M, pid_n * BLOCK_N
-    left, right = _halves(acc, BLOCK_M, BLOCK_N)
-    if EPI_SPLIT == 4:
-        quarter: tl.constexpr = BLOCK_N // 4
-        a, b = _halves(left, BLOCK_M, BLOCK_N // 2)
-        c, d = _halves(right, BLOCK_M, BLOCK_N // 2)
-        out_desc.store([row, col], a.to(dtype))
-        out_desc.store([row, col + quarter], b.to(dtype))
-        out_desc.store([row, col + 2 * quarter], c.to(dtype))
-        out_desc.store([row, col + 3 * quarter], d.to(dtype))
-    else:
-        out_desc.store([row, col], left.to(dtype))
-        out_desc.store([row, col + BLOCK_N // 2], right.to(dtype))
-
-
-@triton.jit
-def _halves(tile, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """A ``[ROWS, COLS]`` tile's left and right ``[ROWS, COLS // 2]`` halves."""
-    return tl.split(tl.permute(tl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+    # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -165,12 +148,11 @@ def gemm_tiles(
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
     persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch."""
     x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EPI_SPLIT)  # fmt: skip
+                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
@@ -193,7 +175,7 @@ def gemm_tiles(
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
         store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
-                   BLOCK_N, EPI_SPLIT)  # fmt: skip
+                   BLOCK_N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -239,14 +221,13 @@ def _lora_gemm_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,
 ):
     gemm_tiles(
         x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
         stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
         keep_scale, p, seed_lo, seed_hi, n_offset, tl.program_id(0), NUM_SMS,
         W_NK, HAS_BIAS, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-        GROUP_M, EPI_SPLIT,
+        GROUP_M,
     )  # fmt: skip
 
 

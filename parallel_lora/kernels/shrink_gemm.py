@@ -96,7 +96,7 @@ def _shrink_gemm_kernel(
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
+    GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -125,7 +125,7 @@ def _shrink_gemm_kernel(
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     else:
         x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K, EPI_SPLIT)  # fmt: skip
+                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         k_tiles = tl.cdiv(K_RED, BLOCK_K)
         for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
             pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
@@ -164,7 +164,7 @@ def _shrink_gemm_kernel(
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, ".cg")  # fmt: skip
             store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS,
-                       BLOCK_M, BLOCK_N, EPI_SPLIT)  # fmt: skip
+                       BLOCK_M, BLOCK_N)  # fmt: skip
 
     # Every program read the epoch and took its last queue item before this release; the last one to finish
     # (acquire) resets the queue and advances the epoch for the next launch on this stream.
