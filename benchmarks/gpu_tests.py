@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_tests.py --budget 540 --test-timeout 240 --out $OUT/gpu_tests.json
     python benchmarks/gpu_tests.py --first "direct_launch" tests/test_kernels.py      # one test ahead of the rest
+    python benchmarks/gpu_tests.py --resume gpu_tests_prev.json --out $OUT/gpu_tests.json   # the rest of a run
 
 One ``pytest -m gpu`` process runs all the selected tests in order (compiles and tuning carry over from test to
 test). A test that runs past ``--test-timeout`` has its process group killed, is recorded as ``timeout``, and the
@@ -10,11 +11,16 @@ tests after it go on in a new process; ``--budget`` stops starting tests, and ev
 pytest's ``faulthandler_timeout`` dumps every thread's stack into the log at ``--test-timeout / 2``,
 which says where a stuck test waits. Prints a table, writes ``{"meta": ..., "rows": [{"test", "outcome",
 "seconds"}]}``. Session 22 lost 16 GPU tests to one ``timeout`` around a single pytest process (NOTES.md).
+
+A full GPU run takes longer than one call may (session 23: about 13 minutes). ``--resume`` takes an earlier run's
+JSON, copied into the checkout (untracked files travel to the device): its passed, skipped and xfail tests keep
+their rows and are not run again, and the JSON written holds every selected test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -35,6 +41,7 @@ _OUTCOMES = "PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR"
 _ENDED = re.compile(rf"^(\S+::\S+) ({_OUTCOMES})\b")
 _BARE = re.compile(rf"^({_OUTCOMES}) +\[")
 _STARTED = re.compile(r"^(\S+::\S+) ")
+_SETTLED = {"passed", "skipped", "xfail"}
 
 
 def collect(marker: str, paths: list[str], keyword: str, cwd: Path = ROOT) -> list[str]:
@@ -105,23 +112,35 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
+def settled(path: str | Path) -> dict[str, dict]:
+    """The rows of an earlier run's JSON whose tests need not run again: passed, skipped or xfail."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path}: expected gpu_tests.py's JSON, {{'meta': ..., 'rows': [{{'test', 'outcome', ...}}]}}")
+    rows = data["rows"]
+    return {row["test"]: row for row in rows if row["outcome"] in _SETTLED}
+
+
 def run_all(
-    ids: list[str], marker: str, timeout: float, budget: float, log, cwd: Path = ROOT, on_rows=None
-) -> list[dict]:
-    """Every id in order, a new process after each timeout, none started after ``budget`` seconds. ``on_rows``
-    gets the rows so far after each process (tests not reached yet: ``not run``)."""
+    ids: list[str], marker: str, timeout: float, budget: float, log, cwd: Path = ROOT, on_rows=None,
+    done: dict[str, dict] | None = None,
+) -> list[dict]:  # fmt: skip
+    """Every id in order but those in ``done`` (rows of an earlier run, kept as they are), a new process after
+    each timeout, none started after ``budget`` seconds. ``on_rows`` gets the rows so far after each process
+    (tests not reached yet: ``not run``)."""
     deadline = time.monotonic() + budget
+    done = done or {}
     results: dict[str, tuple[str, float]] = {}
 
     def rows() -> list[dict]:
         out = []
         for i in ids:
             outcome, seconds = results.get(i, ("not run", 0.0))
-            out.append({"test": i, "outcome": outcome, "seconds": round(seconds, 1)})
+            out.append(done.get(i) or {"test": i, "outcome": outcome, "seconds": round(seconds, 1)})
         return out
 
     while time.monotonic() < deadline:
-        left = [i for i in ids if i not in results]
+        left = [i for i in ids if i not in results and i not in done]
         if not left:
             break
         got, rc = run_tests(left, marker, timeout, deadline, log, cwd)
@@ -142,6 +161,7 @@ def main():
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression")
     parser.add_argument("--marker", default="gpu", help="pytest -m expression (default: gpu)")
     parser.add_argument("--first", default="", help="run the tests whose id contains this first")
+    parser.add_argument("--resume", default="", help="an earlier run's JSON: its passed / skipped tests are kept")
     parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds one test may take")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds after which no test starts")
     parser.add_argument("--log", default="gpu_tests.log", help="pytest's output, every process appended")
@@ -156,13 +176,14 @@ def main():
         write_json(args.out, {"meta": meta, "rows": rows})
 
     with open(args.log, "a") as log:
-        rows = run_all(ids, args.marker, args.test_timeout, args.budget, log, on_rows=save)
+        done = settled(args.resume) if args.resume else {}
+        rows = run_all(ids, args.marker, args.test_timeout, args.budget, log, on_rows=save, done=done)
     save(rows)
     for row in rows:
         print(f"{row['outcome']:>8} {row['seconds']:7.1f} s  {row['test']}")
     counts = Counter(row["outcome"] for row in rows)
     print(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))
-    sys.exit(0 if set(counts) <= {"passed", "skipped", "xfail"} else 1)
+    sys.exit(0 if set(counts) <= _SETTLED else 1)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,37 @@ def test_gpu_test_runner_times_out_a_stuck_test_and_goes_on_after_it_and_after_a
     }, log.getvalue()
     assert "Timeout" in log.getvalue()  # pytest's faulthandler dumped the stuck test's stack before the kill
     assert [row["outcome"] for row in run_all(ids, "fake", 4.0, 0.0, io.StringIO(), tmp_path)] == ["not run"] * 5
+
+
+def test_gpu_test_runner_resumes_an_earlier_run_without_rerunning_its_passed_tests(tmp_path):
+    # A full GPU run outlasts one device call (session 23): --resume keeps what passed and runs only the rest.
+    import io
+    import json
+
+    from benchmarks.gpu_tests import collect, run_all, settled
+
+    (tmp_path / "test_marks.py").write_text(
+        "import pathlib\nimport pytest\n\n"
+        + "".join(
+            f"@pytest.mark.fake\ndef test_{name}():\n    pathlib.Path('ran_{name}').touch()\n\n"
+            for name in ("passed_before", "failed_before", "not_run_before")
+        )
+    )
+    ids = collect("fake", ["."], "", cwd=tmp_path)
+    earlier = [
+        {"test": ids[0], "outcome": "passed", "seconds": 9.9},
+        {"test": ids[1], "outcome": "failed", "seconds": 1.0},
+        {"test": ids[2], "outcome": "not run", "seconds": 0.0},
+        {"test": "test_gone.py::test_no_longer_selected", "outcome": "passed", "seconds": 1.0},
+    ]
+    (tmp_path / "earlier.json").write_text(json.dumps({"meta": {}, "rows": earlier}))
+    done = settled(tmp_path / "earlier.json")
+    assert set(done) == {ids[0], "test_gone.py::test_no_longer_selected"}
+    (tmp_path / "other.json").write_text(json.dumps({"tests": earlier}))
+    with pytest.raises(ValueError, match="expected gpu_tests.py's JSON"):
+        settled(tmp_path / "other.json")
+
+    rows = run_all(ids, "fake", timeout=60.0, budget=120.0, log=io.StringIO(), cwd=tmp_path, done=done)
+    assert rows == [earlier[0], {**rows[1], "outcome": "passed"}, {**rows[2], "outcome": "passed"}]
+    assert [row["test"] for row in rows] == ids
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_failed_before", "ran_not_run_before"]
