@@ -189,7 +189,7 @@ def shrink_configs() -> list[triton.Config]:
 def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # Per stage an x and a U tile. Under the "pre" mask the masked x tile is written back to shared memory for
     # the tensor cores by Triton 3.8 (one more x tile: compiled exactly that at 64x64, 64x128 and 128x64 for
-    # sm_90a), while 3.6 feeds it from registers; the estimate takes the larger, since pruning trusts it.
+    # sm_90a), while 3.6 and 3.9 feed it from registers; the estimate takes the larger, since pruning trusts it.
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     staged = bm * bk if consts["DROP_PRE"] else 0
     return (stages * (bm * bk + bk * consts["R_PAD"]) + staged) * elem
