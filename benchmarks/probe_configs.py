@@ -130,7 +130,7 @@ def main():
     parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per case")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all cases of a shape")
     parser.add_argument("--kinds", default="", help="comma-separated subset of gemm_y, gemm_dx, shrink, reduce")
-    parser.add_argument("--configs", default="", help="comma-separated config labels to keep (e.g. 128x256x64x8x2s3w8)")
+    parser.add_argument("--configs", default="", help="comma-separated config labels to keep (e.g. 128x256x64x8s3w8)")
     parser.add_argument("--profile", type=int, default=0,
                         help="time each case by its kernels' GPU time over this many calls back to back (no L2 flush)")
     parser.add_argument("--out", default="probe_configs.json")

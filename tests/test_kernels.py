@@ -760,7 +760,7 @@ def test_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, sme
 def test_smem_estimates_bound_what_the_installed_triton_compiles_for_hopper():
     # Pruning trusts the estimates: one below the compiled size lets a config through that a ~100 KB part cannot
     # launch. Triton 3.8 stages the "pre"-masked x tile of the shrink in shared memory, where 3.6 (the device's)
-    # fed it from registers; only compiling with the installed Triton shows it. The quick launches here, for
+    # and 3.9 feed it from registers; only compiling with the installed Triton shows it. The quick launches here, for
     # sm_90a on the CPU (the fused GEMM launches take minutes: `python benchmarks/compile_check.py`).
     import subprocess
     import sys
