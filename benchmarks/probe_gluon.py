@@ -32,8 +32,6 @@ staged whole (3 x 48 KB + 64 KB + the rank buffer's 12 KB = 220 KB).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 from probe_gemm import (  # benchmarks/ is this script's folder
@@ -44,7 +42,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     rows_in_rounds,
 )
 from probe_ws import TILES, _probe_ws  # benchmarks/ is this script's folder
-from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
+from report import parse_shapes, probe_parser, run_meta, write_json  # benchmarks/ is this script's folder
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -380,15 +378,11 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
+    parser = probe_parser(__doc__, "probe_gluon.json")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--kinds", default="pipe,ws", help="pipe, pipec, ws (Gluon); tws, tflat (Triton,"
                         " warp-specialized or flattened loops)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="time N calls back to back by profiler, not do_bench")
-    parser.add_argument("--out", default="probe_gluon.json")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)

@@ -35,13 +35,11 @@ transposed; ``dx = dy W``: W tiles ``[BK, BN]``), no rank term:
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 from probe_gemm import _alloc, launch_checked, orientations, rows_in_rounds  # benchmarks/ is this folder
 from probe_ws import TILES, _probe_ws  # benchmarks/ is this script's folder
-from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
+from report import parse_shapes, probe_parser, run_meta, write_json  # benchmarks/ is this script's folder
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -230,14 +228,10 @@ def probe(shapes, rounds: int, reps: int, stages: int, profile: int, progs: list
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
+    parser = probe_parser(__doc__, "probe_multicast.json")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--progs", default="", help="more cluster counts to time the 2-CTA kernel on, e.g. 64,62")
     parser.add_argument("--profile", type=int, default=0, help="time N calls back to back by profiler, not do_bench")
-    parser.add_argument("--out", default="probe_multicast.json")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)

@@ -21,8 +21,6 @@ Both orientations: forward (``y``: W read as [BN, BK] tiles, f = B [N, r]) and d
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +32,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     orientations,
     rows_in_rounds,
 )
-from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
+from report import parse_shapes, probe_parser, run_meta, write_json  # benchmarks/ is this script's folder
 
 
 @triton.jit
@@ -112,11 +110,7 @@ def probe(shapes, rounds: int, reps: int):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
-    parser.add_argument("--out", default="probe_ws.json")
+    parser = probe_parser(__doc__, "probe_ws.json")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)

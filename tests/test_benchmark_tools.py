@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.compile_check import wgmma_loops  # noqa: E402
-from benchmarks.report import parse_shapes  # noqa: E402
+from benchmarks.report import parse_shapes, probe_parser  # noqa: E402
 from benchmarks.rounds import ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
@@ -56,6 +56,16 @@ def test_time_in_rounds_times_each_case_once_per_round_in_round_order():
 def test_shapes_parse_as_the_scripts_document_them():
     assert parse_shapes("8192,4096,4096,16;2048,4096,14336,64") == [(8192, 4096, 4096, 16), (2048, 4096, 14336, 64)]
     assert parse_shapes("1,2,3,4") == [(1, 2, 3, 4)]
+
+
+def test_a_probe_defaults_to_the_three_r16_target_shapes_and_keeps_its_own_options():
+    parser = probe_parser("a probe", "probe.json")
+    parser.add_argument("--stages", type=int, default=3)
+    args = parser.parse_args([])
+    assert parse_shapes(args.shapes) == [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16)]
+    assert (args.rounds, args.reps, args.out, args.stages) == (3, 40, "probe.json", 3)
+    args = parser.parse_args(["--shapes", "1,2,3,4", "--rounds", "5", "--out", "o.json", "--stages", "4"])
+    assert (parse_shapes(args.shapes), args.rounds, args.out, args.stages) == ([(1, 2, 3, 4)], 5, "o.json", 4)
 
 
 SASS = """
