@@ -56,6 +56,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from parallel_lora.kernels.gemm_tma import tile_coords  # the library's grouped order (Gluon calls @triton.jit)
 
+# Triton 3.9 removed the 3.6 names (the device has 3.6; a run may carry 3.9: benchmarks/triton_carry.sh).
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
 
 @gluon.jit
 def _step_coords(step, k_tiles, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
@@ -73,13 +77,13 @@ def _load_xw(x_desc, w_desc, x_bufs, w_bufs, ready, stage, pid_m, pid_n, kk, pre
     BK: gl.constexpr = x_desc.block_type.shape[1]
     bar = ready.index(stage)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [pid_m * BM, kk * BK], bar, x_bufs.index(stage), pred)
+    _tma_load(x_desc, [pid_m * BM, kk * BK], bar, x_bufs.index(stage), pred=pred)
     if W_NK:
         BN: gl.constexpr = w_desc.block_type.shape[0]
-        tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kk * BK], bar, w_bufs.index(stage), pred)
+        _tma_load(w_desc, [pid_n * BN, kk * BK], bar, w_bufs.index(stage), pred=pred)
     else:
         BN: gl.constexpr = w_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(w_desc, [kk * BK, pid_n * BN], bar, w_bufs.index(stage), pred)
+        _tma_load(w_desc, [kk * BK, pid_n * BN], bar, w_bufs.index(stage), pred=pred)
 
 
 @gluon.jit
@@ -88,13 +92,13 @@ def _load_rank(s_desc, f_desc, s_buf, f_buf, bar, pid_m, pid_n, pred, W_NK: gl.c
     (skipped unless ``pred``)."""
     BM: gl.constexpr = s_desc.block_type.shape[0]
     mbarrier.expect(bar, s_desc.block_type.nbytes + f_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(s_desc, [pid_m * BM, 0], bar, s_buf, pred)
+    _tma_load(s_desc, [pid_m * BM, 0], bar, s_buf, pred=pred)
     if W_NK:
         BN: gl.constexpr = f_desc.block_type.shape[0]
-        tma.async_copy_global_to_shared(f_desc, [pid_n * BN, 0], bar, f_buf, pred)
+        _tma_load(f_desc, [pid_n * BN, 0], bar, f_buf, pred=pred)
     else:
         BN: gl.constexpr = f_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(f_desc, [0, pid_n * BN], bar, f_buf, pred)
+        _tma_load(f_desc, [0, pid_n * BN], bar, f_buf, pred=pred)
 
 
 @gluon.jit
@@ -138,7 +142,7 @@ def _epilogue(acc, c_desc, c_smem, pid_m, pid_n):
     tma.store_wait(0)
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [pid_m * BM, pid_n * BN], c_smem)
+    _tma_store(c_desc, [pid_m * BM, pid_n * BN], c_smem)
 
 
 @gluon.jit
