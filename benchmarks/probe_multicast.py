@@ -11,16 +11,19 @@ Experiments, not library code. The library's persistent TMA GEMM runs at 1.045-1
 4096 on the H100 (NOTES.md, sessions 22-23). cuBLAS there is a 256 x 128 tile on a 1 x 2 cluster
 (``nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA``): two CTAs on two SMs, one operand tile loaded once and
 multicast into both CTAs' shared memory, so the pair reads a third less from L2 than two independent CTAs. The
-4th pipeline stage gained nothing (session 23), so the gap is operand traffic, not latency. Triton's ``tl``
-cannot launch clusters; Gluon in Triton 3.9 can (``num_ctas=2``, ``tma.async_load(..., multicast=True)``).
+4th pipeline stage gained nothing (session 23), which pointed at operand traffic, not latency. Triton's
+``tl`` cannot launch clusters; Gluon in Triton 3.9 can (``num_ctas=2``, ``tma.async_load(..., multicast=True)``).
 
-One kernel, two launches: a persistent Gluon GEMM, the tile and K loops nested, loads ``STAGES - 1`` steps
+One kernel, three launches: a persistent Gluon GEMM, the tile and K loops nested, loads ``STAGES - 1`` steps
 ahead across tile boundaries (``probe_gluon.py``'s ``pipe``, which was 1.019x cuBLAS on the H200 in session 16).
-With ``num_ctas=2`` a program is a cluster of two CTAs computing a ``BM x 2BN`` tile: the activation tile
-``[BM, BK]`` is multicast (CTA 0 issues it into both CTAs), each CTA loads its own half of the weight tile and
-computes and stores its own ``BM x BN``. Before CTA 0 multicasts into a stage again, both CTAs must have
-retired their wgmma on it: a pair barrier per stage (count 2: each CTA arrives after its ``warpgroup_mma_wait``,
-only CTA 0 waits). With ``num_ctas=1`` the same code is the plain pipelined core, with no pair barriers.
+With ``num_ctas=2`` a program is a cluster of two CTAs, each computing and storing its own ``BM x BN``: with x
+shared the cluster tile is ``BM x 2BN`` and the activation tile ``[BM, BK]`` is multicast (CTA 0 issues it into
+both CTAs) while each CTA loads its own half of the weight tile; with W shared the cluster tile is ``2BM x BN``
+and the roles swap. Before CTA 0 multicasts into a stage again, both CTAs must have retired their wgmma on it: a
+pair barrier per stage (each CTA arrives after its ``warpgroup_mma_wait``, only CTA 0 waits). With
+``num_ctas=1`` the same code is the plain pipelined core, with no pair barriers.
+
+Result (session 25, H100): neither cluster beats the one-CTA core; sharing x costs 4-5% (NOTES.md).
 
 Variants in the same interleaved rounds, both orientations (``y = x W^T``: W tiles ``[BN, BK]`` read
 transposed; ``dx = dy W``: W tiles ``[BK, BN]``), no rank term:
@@ -148,12 +151,17 @@ def _mc_gemm(x_desc, w_desc, c_desc, M, N, K, W_NK: gl.constexpr, SHARE_W: gl.co
         cluster.barrier()
 
 
+def cluster_tile(BM: int, BN: int, ctas: int, share_w: bool) -> tuple[int, int]:
+    """A cluster's output tile: ``ctas`` CTA tiles stacked along M (W shared) or side by side along N (x shared)."""
+    return (BM * ctas, BN) if share_w else (BM, BN * ctas)
+
+
 def descriptors(act, W, out, w_nk: bool, BM: int, BN: int, BK: int, ctas: int, share_w: bool):
     """Host TMA descriptors for a cluster of ``ctas`` CTAs. x shared: the cluster spans the output's columns, x's
     tile goes to every CTA (multicast), w's and the output's are split along the columns. w shared: the cluster
     spans the rows, and x's and the output's tiles are split along the rows."""
     split = ctas > 1
-    bm, bn = (BM * ctas, BN) if share_w else (BM, BN * ctas)
+    bm, bn = cluster_tile(BM, BN, ctas, share_w)
     whole, rows, cols = [[0, 0]], [[1, 0]], [[0, 1]]
 
     def desc(t, block, cga):
@@ -197,7 +205,8 @@ def probe(shapes, rounds: int, reps: int, stages: int, profile: int, progs: list
                 cases[f"{orient}_triton"] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
             for ctas, share_w in ((1, False), (2, False), (2, True)):
                 name = f"{orient}_g{ctas}" + ("w" if share_w else "")
-                tiles = triton.cdiv(mm, BM * (ctas if share_w else 1)) * triton.cdiv(nn_, BN * (1 if share_w else ctas))
+                bm, bn = cluster_tile(BM, BN, ctas, share_w)
+                tiles = triton.cdiv(mm, bm) * triton.cdiv(nn_, bn)
                 n_progs = min(nsm // ctas, tiles)
                 kwg = dict(W_NK=w_nk, SHARE_W=share_w, GROUP_M=GROUP_M, NUM_PROGS=n_progs, STAGES=stages,
                            num_warps=8, num_ctas=ctas)  # fmt: skip

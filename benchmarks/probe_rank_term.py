@@ -26,7 +26,6 @@ Both orientations: forward (``W_NK``: W read as [BN, BK] tiles, f = B [N, r]) an
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -40,7 +39,7 @@ from probe_gemm import (  # benchmarks/ is this script's folder
     orientations,
     rows_in_rounds,
 )
-from report import parse_shapes, run_meta, write_json  # benchmarks/ is this script's folder
+from report import parse_shapes, probe_parser, run_meta, write_json  # benchmarks/ is this script's folder
 
 
 @triton.jit
@@ -154,14 +153,11 @@ def probe(shapes, rounds: int, reps: int, ttgir_dir: str, profile: int = 0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="8192,4096,4096,16;8192,4096,14336,16;8192,14336,4096,16")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30, help="ms of timed repetitions per measurement")
+    parser = probe_parser(__doc__, "probe_rank_term.json")
+    parser.set_defaults(rounds=5, reps=30)
     parser.add_argument("--ttgir", default="", help="folder for each variant's TTGIR")
     parser.add_argument("--profile", type=int, default=0,
                         help="time each case as its kernels' GPU time over this many calls back to back")
-    parser.add_argument("--out", default="probe_rank_term.json")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
     torch.manual_seed(0)
