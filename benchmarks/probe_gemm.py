@@ -68,7 +68,10 @@ def _probe_gemm(
     else:
         o_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [N, 1], [BM, BN])
     s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [R, 1], [BM, BR])
-    f_desc = tl.make_tensor_descriptor(f_ptr, [N, R], [R, 1], [BN, BR])  # B [N, r]
+    if W_NK:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [N, R], [R, 1], [BN, BR])  # B [N, r]
+    else:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [R, N], [N, 1], [BR, BN])  # A [r, K]: dx's N is K
 
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -100,7 +103,10 @@ def _probe_gemm(
             acc = tl.dot(s, f, acc)
         if LORA == 3:
             s = s_desc.load([pid_m * BM, 0])
-            f = f_desc.load([pid_n * BN, 0]).T
+            if W_NK:
+                f = f_desc.load([pid_n * BN, 0]).T
+            else:
+                f = f_desc.load([0, pid_n * BN])
             acc = tl.dot(s, f, acc)
         if SUBTILE:
             acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))

@@ -19,7 +19,9 @@ current tile drains and stores. Variants, timed in interleaved rounds against cu
                                ahead into the next tile by itself); the 8 default warps issue wgmma and store
     {y,dx}_tws_rank{0,1}       Triton's own Hopper warp specialization (``probe_ws``: 2 stages with the rank)
     {y,dx}_tflat_rank{0,1}     Triton with the tile and K loops flattened (``probe_gemm``, the rank term's
-                               tiles through TMA in the epilogue; forward only)
+                               tiles through TMA in the epilogue)
+    {y,dx}_ttma_rank{0,1}      the same with the loops nested (the library's loops, only the rank tiles'
+                               loads through TMA instead of pointers)
 
 With the rank term, each tile's ``s [BM, r]`` and ``f`` tiles come in through TMA with the tile's first stage
 into one extra buffer, and their wgmma goes first (``use_acc=False``), the K loop accumulating onto it: the
@@ -352,10 +354,14 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
                     kw = {**kw, "WS": True, "num_warps": 4, "num_stages": 2 if rank else 3}
                     if launch_checked(_probe_ws, grid, args, kw, out, ref, name) is not None:
                         cases[name] = lambda g=grid, a=args, k=kw: _probe_ws[g](*a, **k)
-                if "tflat" in kinds and (w_nk or not rank):  # Triton's flattened tile and K loops (probe_gemm)
-                    name = f"{orient}_tflat_rank{int(rank)}"
-                    kw = dict(LORA=3 if rank else 0, FLATTEN=True, SUBTILE=True, W_NK=w_nk, NUM_SMS=nsm, BR=max(16, r),
-                              num_warps=8, num_stages=3, **TILES)  # fmt: skip
+                # Triton's loops in probe_gemm, the rank tiles through TMA: flattened (``tflat``) or nested
+                # (``ttma``, the library's loops with only the rank tiles' loads changed).
+                for kind, flatten in (("tflat", True), ("ttma", False)):
+                    if kind not in kinds:
+                        continue
+                    name = f"{orient}_{kind}_rank{int(rank)}"
+                    kw = dict(LORA=3 if rank else 0, FLATTEN=flatten, SUBTILE=True, W_NK=w_nk, NUM_SMS=nsm,
+                              BR=max(16, r), num_warps=8, num_stages=3, **TILES)  # fmt: skip
                     if launch_checked(_probe_gemm, grid, args, kw, out, ref, name) is not None:
                         cases[name] = lambda g=grid, a=args, k=kw: _probe_gemm[g](*a, **k)
                 for kind, kernel in (("pipe", _gluon_pipe), ("pipec", _gluon_pipe), ("ws", _gluon_ws)):
@@ -384,8 +390,8 @@ def probe(shapes, rounds: int, reps: int, stages: int, kinds: list[str], profile
 def main():
     parser = probe_parser(__doc__, "probe_gluon.json")
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--kinds", default="pipe,ws", help="pipe, pipec, ws (Gluon); tws, tflat (Triton,"
-                        " warp-specialized or flattened loops)")  # fmt: skip
+    parser.add_argument("--kinds", default="pipe,ws", help="pipe, pipec, ws (Gluon); tws, tflat, ttma (Triton:"
+                        " warp-specialized, flattened loops, nested loops with TMA rank tiles)")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, help="time N calls back to back by profiler, not do_bench")
     args = parser.parse_args()
     triton.set_allocator(_alloc)
