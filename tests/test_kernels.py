@@ -547,6 +547,56 @@ def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch,
     assert taken == (["fused_y", "fused_dx"] if tma else [])
 
 
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values at an address 2 bytes past a 16-byte boundary: no TMA descriptor can read it."""
+    flat = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("orient", ["y", "dx"])
+def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(orient):
+    # With TMA rank tiles the loops are flattened (``gemm_tma.gemm_tiles``); S or G at a misaligned address
+    # keeps the nested loops and pointer loads. The accumulation order is the same, so are the bits.
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    from parallel_lora.kernels.gemm import lora_gemm
+    from parallel_lora.kernels.gemm_tma import rank_tma
+
+    x, weight, b, lora_A, lora_B, dy = make_inputs(150, 96, 80, 16, torch.bfloat16)
+    s = torch.randn(150, 16, device=DEVICE).to(torch.bfloat16)
+    act, w, bias, f = (x, weight.t(), b, lora_B.t()) if orient == "y" else (dy, weight, None, lora_A)
+    slow = _misaligned_copy(s)
+    assert rank_tma(s, f, False) == (True, orient == "y") and rank_tma(slow, f, False) == (False, False)
+    out = lora_gemm(act, w, bias, s, f)
+    assert torch.equal(out, lora_gemm(act, w, bias, slow, f))
+    ref = act.double() @ w.double() + s.double() @ f.double() + (0 if bias is None else bias.double())
+    assert rel_err(out, ref, act.double().abs() @ w.double().abs() + 1) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    "r, dtype, lora_drop, expected",
+    [
+        (16, torch.bfloat16, False, True),
+        (8, torch.float16, False, True),  # rows of 16 bytes: the least a descriptor takes
+        (64, torch.bfloat16, False, True),  # one MAX_BLOCK_R chunk
+        (4, torch.bfloat16, False, False),  # rows of 8 bytes
+        (128, torch.bfloat16, False, False),  # two chunks would each take shared memory of their own
+        (16, torch.float32, False, False),  # TMA here is for 16-bit operands
+        (16, torch.bfloat16, True, False),  # "pre" dropout: the masked rank term goes first, loops nested
+    ],
+)
+def test_rank_tiles_go_through_tma_only_where_a_descriptor_reads_them(r, dtype, lora_drop, expected):
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+    from parallel_lora.kernels.gemm_tma import rank_tma
+
+    s = torch.zeros(64, r, device=DEVICE, dtype=dtype)
+    lora_A = torch.zeros(r, 96, device=DEVICE, dtype=dtype)
+    lora_B = torch.zeros(80, r, device=DEVICE, dtype=dtype)
+    assert rank_tma(s, lora_A, lora_drop) == (expected, False)  # dx: A [r, K] read as is
+    assert rank_tma(s, lora_B.t(), lora_drop) == (expected, expected)  # y: B^T read through B's rows
+
+
 def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a kernel was launched for M = 0")

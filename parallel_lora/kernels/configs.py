@@ -122,8 +122,10 @@ def gemm_tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # staged in shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their
     # way to the tensor cores. (Without the barriers the "pre"-dropout dx GEMM compiled 24 B past the estimate on
     # sm_90a, Triton 3.6 and 3.9: benchmarks/compile_check.py.)
+    # Rank tiles through TMA (``RANK_TMA``, one chunk) add an mbarrier for each of their two loads.
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
-    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8
+    rank_barriers = 16 if consts.get("RANK_TMA") else 0
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8 + rank_barriers
 
 
 def _with_spare_work(name: str, values: Sequence[int]) -> list[triton.Config]:

@@ -40,7 +40,7 @@ from .configs import (
     launch,
     sm_count,
 )
-from .gemm_tma import ensure_allocator, gemm_tiles, tma_rows
+from .gemm_tma import ensure_allocator, gemm_tiles, rank_tma, tma_rows
 from .rank_reduce import _COUNTERS, _PARTIALS, grad_problems, reduce_item, split_rows, sum_partials
 
 
@@ -62,7 +62,7 @@ def _dx_and_grads_kernel(
     keep_scale, p, seed_lo, seed_hi, k_offset,
     # compile-time
     W_NK: tl.constexpr, DB_SUMS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    RANK_TMA: tl.constexpr, F_T: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
@@ -77,8 +77,8 @@ def _dx_and_grads_kernel(
             dy_ptr, w_ptr, dx_ptr, g_ptr, a_ptr, dx_ptr, M, N_OUT, K_RED, R,
             stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm, 0,
             keep_scale, p, seed_lo, seed_hi, k_offset, pid, gemm_programs,
-            W_NK, False, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            GROUP_M,
+            W_NK, False, LORA_DROP, ODD_OFFSET, RANK_TMA, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M,
+            BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
     num_items = (tl.cdiv(F_A, RED_BLOCK_F) + tl.cdiv(F_B, RED_BLOCK_F)) * num_splits
@@ -210,6 +210,7 @@ def lora_dx_and_grads(
             "DB_SUMS": sums,
             "LORA_DROP": lora_drop,
             "ODD_OFFSET": odd,
+            **dict(zip(("RANK_TMA", "F_T"), rank_tma(g, lora_A, lora_drop), strict=True)),
             "A_TMA": want_a and tma_rows(feat_a),
             "B_TMA": want_b and tma_rows(feat_b),
             "R_PAD": r_pad,

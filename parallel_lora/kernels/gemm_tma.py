@@ -19,8 +19,11 @@ second accumulator tile.
 
 Why this structure (``benchmarks/probe_gemm.py``, H200, bf16, ratio to cuBLAS; NOTES.md has the table): the
 bare persistent TMA core runs at 0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``)
-is as fast without a rank term but 1.20-1.26x with one in the epilogue, and 2-2.4x with one in the
-prologue; unflattened loops with the half-tile store hold the rank term at 0.99-1.06x.
+is as fast without a rank term but 1.20-1.26x with one in the epilogue read through pointers, and 2-2.4x
+with one in the prologue; unflattened loops with the half-tile store hold the rank term at 0.99-1.06x.
+With the rank tiles read through TMA descriptors instead, the flattened loops win (session 26, H100, 8192 x
+4096 -> 4096: 4-7 us a GEMM in the probe, 2-3 us in the backward's fused launch), so ``gemm_tiles`` takes them
+wherever the rank tiles can be described (``rank_tma``) and the rank term comes last.
 
 Descriptors need 16-bit operands, unit inner strides and 16-byte aligned rows (``tma_compatible``); the
 launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
@@ -89,6 +92,41 @@ def rank_term(
 
 
 @triton.jit
+def rank_descriptors(
+    s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """The TMA descriptors of s's ``[BLOCK_M, BLOCK_R]`` tiles and f's: ``[BLOCK_N, BLOCK_R]`` tiles of ``f^T``
+    (``F_T``: B [N, r] for y) or ``[BLOCK_R, BLOCK_N]`` tiles of f (A [r, K] for dx). Columns past R read zeros."""
+    s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [stride_sm, 1], [BLOCK_M, BLOCK_R])
+    if F_T:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [N_OUT, R], [stride_fn, 1], [BLOCK_N, BLOCK_R])
+    else:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [R, N_OUT], [stride_fr, 1], [BLOCK_R, BLOCK_N])
+    return s_desc, f_desc
+
+
+@triton.jit
+def rank_term_tma(
+    acc, s_desc, f_desc, pid_m, pid_n, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``rank_term`` with the tiles through TMA descriptors (``rank_descriptors``): what lets the tile and K loops
+    be flattened (pointer loads here ran 1.2x cuBLAS in a flattened loop, NOTES.md, session 2)."""
+    for r0 in tl.static_range(0, R_PAD, BLOCK_R):
+        s = s_desc.load([pid_m * BLOCK_M, r0])
+        if F_T:
+            f = f_desc.load([pid_n * BLOCK_N, r0]).T
+        else:
+            f = f_desc.load([r0, pid_n * BLOCK_N])
+        if UPCAST:
+            s = s.to(tl.float32)
+            f = f.to(tl.float32)
+        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def gemm_descriptors(
     x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,32 +184,51 @@ def gemm_tiles(
     stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
     keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
-    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    RANK_TMA: tl.constexpr, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
-    persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch."""
+    persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch.
+
+    With ``RANK_TMA`` (``rank_tma``; never with ``LORA_DROP``) the rank tiles come through TMA descriptors and
+    the tile and K loops are flattened into one software pipeline, so a tile's first loads are in flight while
+    the previous tile's rank term and store run (NOTES.md, session 26). Otherwise each tile's K loop starts on
+    an empty pipeline."""
     x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
                                                 stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    if RANK_TMA:
+        s_desc, f_desc = rank_descriptors(s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T, BLOCK_M,
+                                          BLOCK_N, BLOCK_R)  # fmt: skip
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     k_tiles = tl.cdiv(K_RED, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
 
-    for tile_id in tl.range(first_tile, num_tiles, tile_step):
+    # The epilogue takes its tile from its own counter: in the flattened pipeline the loop's coordinates
+    # may already be the next tile's, whose loads are issued ahead.
+    tile_out = first_tile - tile_step
+    for tile_id in tl.range(first_tile, num_tiles, tile_step, flatten=RANK_TMA):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LORA_DROP:
             # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
             # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
             acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
         acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        if not LORA_DROP:
+        tile_out += tile_step
+        pid_m, pid_n = tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RANK_TMA:
+            acc = rank_term_tma(acc, s_desc, f_desc, pid_m, pid_n, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION,
+                                BLOCK_M, BLOCK_N)  # fmt: skip
+        elif not LORA_DROP:
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
         store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
@@ -212,6 +269,8 @@ def _lora_gemm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     LORA_DROP: tl.constexpr,
     ODD_OFFSET: tl.constexpr,  # n_offset is odd
+    RANK_TMA: tl.constexpr,  # the rank tiles through TMA, the loops flattened (``rank_tma``)
+    F_T: tl.constexpr,  # f read as f^T's rows
     R_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
     NUM_SMS: tl.constexpr,
@@ -226,8 +285,8 @@ def _lora_gemm_tma_kernel(
         x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
         stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
         keep_scale, p, seed_lo, seed_hi, n_offset, tl.program_id(0), NUM_SMS,
-        W_NK, HAS_BIAS, LORA_DROP, ODD_OFFSET, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-        GROUP_M,
+        W_NK, HAS_BIAS, LORA_DROP, ODD_OFFSET, RANK_TMA, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M,
     )  # fmt: skip
 
 
@@ -266,6 +325,22 @@ def tma_operand(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     ``(w.t(), True)`` (``W_NK``: tiles read transposed) when the transpose has the unit inner stride."""
     w_nk = w.stride(0) == 1 and w.stride(1) != 1
     return (w.t() if w_nk else w), w_nk
+
+
+def rank_tma(s: torch.Tensor, f: torch.Tensor, lora_drop: bool) -> tuple[bool, bool]:
+    """``(RANK_TMA, F_T)`` of a TMA GEMM's rank term ``s [M, r] @ f [r, N_out]``: whether its tiles can come through
+    TMA descriptors (then ``gemm_tiles`` flattens its loops), and whether f is read as ``f.t()``'s rows (B [N, r]
+    for y; A [r, K] for dx is read as is). Not under "pre" dropout, whose masked term goes first (a flattened
+    loop with the rank term before the K loop ran at 2x cuBLAS, NOTES.md, session 2); not for a rank whose rows
+    are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where each chunk's tiles
+    took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer loads."""
+    if lora_drop or pad_rank(s.shape[1]) > MAX_BLOCK_R or not tma_rows(s):
+        return False, False
+    if tma_rows(f):
+        return True, False
+    if tma_rows(f.t()):
+        return True, True
+    return False, False
 
 
 def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
@@ -333,6 +408,7 @@ def lora_gemm_tma(
             "HAS_BIAS": bias is not None,
             "LORA_DROP": lora_drop,
             "ODD_OFFSET": odd_offset,
+            **dict(zip(("RANK_TMA", "F_T"), rank_tma(s, f, lora_drop), strict=True)),
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "NUM_SMS": num_sms,
