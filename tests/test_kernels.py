@@ -553,8 +553,9 @@ def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
     return flat.view(t.shape).copy_(t)
 
 
+@pytest.mark.parametrize("r", [8, 16])  # r = 8: the rank tile is wider than S's rows (the descriptor zero-fills)
 @pytest.mark.parametrize("orient", ["y", "dx"])
-def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(orient):
+def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(orient, r):
     # With TMA rank tiles the loops are flattened (``gemm_tma.gemm_tiles``); S or G at a misaligned address
     # keeps the nested loops and pointer loads. The accumulation order is the same, so are the bits.
     if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
@@ -562,8 +563,8 @@ def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(or
     from parallel_lora.kernels.gemm import lora_gemm
     from parallel_lora.kernels.gemm_tma import rank_tma
 
-    x, weight, b, lora_A, lora_B, dy = make_inputs(150, 96, 80, 16, torch.bfloat16)
-    s = torch.randn(150, 16, device=DEVICE).to(torch.bfloat16)
+    x, weight, b, lora_A, lora_B, dy = make_inputs(150, 96, 80, r, torch.bfloat16)
+    s = torch.randn(150, r, device=DEVICE).to(torch.bfloat16)
     act, w, bias, f = (x, weight.t(), b, lora_B.t()) if orient == "y" else (dy, weight, None, lora_A)
     slow = _misaligned_copy(s)
     assert rank_tma(s, f, False) == (True, orient == "y") and rank_tma(slow, f, False) == (False, False)
