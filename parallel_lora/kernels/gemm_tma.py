@@ -92,6 +92,25 @@ def rank_term(
 
 
 @triton.jit
+def tile_dot(
+    acc, a_desc, b_desc, pid_m, pid_n, off, B_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``acc + a[tile rows, off:off + step] @ b[off:off + step, tile columns]``, one step of a tile's reduction
+    through TMA descriptors: b's tile read as ``[BLOCK_N, step]`` and transposed (``B_T``), or as
+    ``[step, BLOCK_N]``."""
+    a = a_desc.load([pid_m * BLOCK_M, off])
+    if B_T:
+        b = b_desc.load([pid_n * BLOCK_N, off]).T
+    else:
+        b = b_desc.load([off, pid_n * BLOCK_N])
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def rank_descriptors(
     s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -114,15 +133,7 @@ def rank_term_tma(
     """``rank_term`` with the tiles through TMA descriptors (``rank_descriptors``): what lets the tile and K loops
     be flattened (pointer loads here ran 1.2x cuBLAS in a flattened loop, NOTES.md, session 2)."""
     for r0 in tl.static_range(0, R_PAD, BLOCK_R):
-        s = s_desc.load([pid_m * BLOCK_M, r0])
-        if F_T:
-            f = f_desc.load([pid_n * BLOCK_N, r0]).T
-        else:
-            f = f_desc.load([r0, pid_n * BLOCK_N])
-        if UPCAST:
-            s = s.to(tl.float32)
-            f = f.to(tl.float32)
-        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
+        acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, r0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
     return acc
 
 
@@ -149,16 +160,7 @@ def k_loop(
 ):  # fmt: skip
     """``acc + x[tile rows, :] @ w[:, tile columns]``: the pipelined K loop of one output tile."""
     for ki in range(k_tiles):
-        off_k = ki * BLOCK_K
-        a = x_desc.load([pid_m * BLOCK_M, off_k])
-        if W_NK:
-            b = w_desc.load([pid_n * BLOCK_N, off_k]).T
-        else:
-            b = w_desc.load([off_k, pid_n * BLOCK_N])
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = tile_dot(acc, x_desc, w_desc, pid_m, pid_n, ki * BLOCK_K, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
     return acc
 
 
