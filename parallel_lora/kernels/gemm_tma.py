@@ -126,18 +126,6 @@ def rank_descriptors(
 
 
 @triton.jit
-def rank_term_tma(
-    acc, s_desc, f_desc, pid_m, pid_n, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``rank_term`` with the tiles through TMA descriptors (``rank_descriptors``): what lets the tile and K loops
-    be flattened (pointer loads here ran 1.2x cuBLAS in a flattened loop, NOTES.md, session 2)."""
-    for r0 in tl.static_range(0, R_PAD, BLOCK_R):
-        acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, r0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
-    return acc
-
-
-@triton.jit
 def gemm_descriptors(
     x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -228,8 +216,9 @@ def gemm_tiles(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if RANK_TMA:
-            acc = rank_term_tma(acc, s_desc, f_desc, pid_m, pid_n, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION,
-                                BLOCK_M, BLOCK_N)  # fmt: skip
+            # The whole rank in one step (``rank_tma``: R_PAD == BLOCK_R); through descriptors, which is what
+            # lets the loops be flattened (pointer loads here ran 1.2x cuBLAS, NOTES.md, session 2).
+            acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, 0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
         elif not LORA_DROP:
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
