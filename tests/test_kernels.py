@@ -69,6 +69,12 @@ def assert_matches(name, out, ref, mag, dtype, tol=None) -> None:
     assert err <= tol, f"{name}: error {err:.3e} of the terms' magnitude > {tol:.1e} ({dtype})"
 
 
+def skip_without_tma() -> None:
+    """Skip on a CUDA GPU older than Hopper, which has no TMA (the interpreter emulates it)."""
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+
+
 def make_inputs(M, K, N, r, dtype, bias=True, device=DEVICE):
     """Unit-scale operands so the base and LoRA terms are the same size (neither hides the other)."""
     x = torch.randn(M, K, device=device).to(dtype)
@@ -170,8 +176,7 @@ def test_pre_dropout_forward_keeps_the_separate_masked_shrink(monkeypatch):
     # would wait for S), so that mode runs the masked shrink on every SM, then the GEMM.
     from parallel_lora.kernels import lora
 
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     x, weight, b, lora_A, lora_B, _ = make_inputs(37, 64, 48, 8, torch.bfloat16)
     launched = _count_launches(monkeypatch)
     lora._FORWARD_SITES.clear()
@@ -303,8 +308,7 @@ def test_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, case):
     # shrink_db's cost; dB's partials grow with the rank. Both keep G's plain shrink and reduce dB from dy.
     from parallel_lora.kernels import lora, shrink_db
 
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     r = shrink_db.MAX_DB_R_PAD + 1 if case == "rank_above_max" else 8
     drop = DROPOUTS["pre"] if case == "pre_dropout" else None
     x, weight, b, lora_A, lora_B, dy = make_inputs(40, 48, 56, r, torch.bfloat16)
@@ -401,8 +405,8 @@ def test_backward_is_at_most_three_launches_two_on_the_tma_path_and_nothing_else
     # one, after G or G with dB's partials); no torch sum or cast of partials after it.
     from parallel_lora.kernels import shrink_db
 
-    if dtype != torch.float32 and HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    if dtype != torch.float32:
+        skip_without_tma()
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 40, 8, dtype)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS["pre"])
     launched = _count_launches(monkeypatch)
@@ -539,8 +543,7 @@ def _gemm_paths(monkeypatch) -> list[str]:
     ],
 )
 def test_gemm_takes_tma_path_exactly_for_describable_16bit_operands(monkeypatch, dtype, K, N, tma):
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     taken = _gemm_paths(monkeypatch)
     inputs = make_inputs(70, K, N, 16, dtype)  # M = 70: a tail of rows in every tile size
     check_against_eager(*inputs, SCALE, DROPOUTS["post"])  # "pre" keeps y's separate launches
@@ -558,8 +561,7 @@ def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
 def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(orient, r):
     # With TMA rank tiles the loops are flattened (``gemm_tma.gemm_tiles``); S or G at a misaligned address
     # keeps the nested loops and pointer loads. The accumulation order is the same, so are the bits.
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     from parallel_lora.kernels.gemm import lora_gemm
     from parallel_lora.kernels.gemm_tma import rank_tma
 
@@ -587,8 +589,7 @@ def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(or
     ],
 )
 def test_rank_tiles_go_through_tma_only_where_a_descriptor_reads_them(r, dtype, lora_drop, expected):
-    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     from parallel_lora.kernels.gemm_tma import rank_tma
 
     s = torch.zeros(64, r, device=DEVICE, dtype=dtype)
@@ -1101,8 +1102,7 @@ def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypa
     # rank tile, r = 20 in a 32-wide one).
     from parallel_lora.kernels import lora
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("no TMA before Hopper")
+    skip_without_tma()
     torch.manual_seed(0)
     inputs = make_inputs(8229, 1024, 520, r, dtype, device="cuda")
     lora._BACKWARD_SITES.clear()
