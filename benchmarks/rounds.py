@@ -67,3 +67,31 @@ def interleaved_samples(cases: dict[str, Callable[[], object]], samples: int) ->
             events[name].append((start, end))
     torch.cuda.synchronize()
     return {name: [start.elapsed_time(end) for start, end in pairs] for name, pairs in events.items()}
+
+
+def back_to_back_ms(
+    fn: Callable[[], object], calls: int, batches: int, event: Callable[[], object] | None = None,
+    sync: Callable[[], object] | None = None,
+) -> float:
+    """Median over ``batches`` of the ms per call of ``calls`` calls of ``fn`` issued back to back, one pair of
+    CUDA events around each batch, with no L2 flush between calls. ``do_bench`` flushes before every call, and
+    the flush's write-back ran into the timed call: ~50 us on each, and varying (NOTES.md, sessions 15 and 27),
+    which pulls every ratio towards 1 and blurs it. A step of a real model runs its layers back to back too.
+    ``event`` / ``sync`` default to ``torch.cuda.Event(enable_timing=True)`` / ``torch.cuda.synchronize``."""
+    if event is None or sync is None:
+        import torch
+
+        event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        sync = sync or torch.cuda.synchronize
+    fn()  # the clocks up, and any lazy work done, before the first batch
+    sync()
+    pairs = []
+    for _ in range(batches):
+        start, end = event(), event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        pairs.append((start, end))
+    sync()
+    return statistics.median(start.elapsed_time(end) / calls for start, end in pairs)

@@ -20,6 +20,11 @@ backward. Prints a table and writes ``{"meta": ..., "rows": [...]}``.
 
 ``--graph`` captures each implementation's forward and its forward+backward in CUDA graphs and times the
 replays: the GPU time alone, as a step captured whole would run (short sequences are host-bound otherwise).
+Replays run back to back, ``GRAPH_CALLS`` per pair of CUDA events, median over ``GRAPH_BATCHES`` batches
+(``rounds.back_to_back_ms``), with no L2 flush between them: ``do_bench``'s flush before every call added
+~50 us of write-back to each timed call, more on some rounds than others, which pulled every ratio towards 1
+and spread one row's base over 12% (runs before 2026-12-05's session 27 were timed that way; their JSON has no
+``"timing"`` entry in ``meta``).
 With dropout, our layer refuses capture (its mask seed is drawn on the host per call, so replays would reuse
 one mask); for timing alone the bench lifts that refusal during capture (``masks_may_freeze``): every replay
 then drops the same elements, and the kernels do the same work as for any other seed.
@@ -51,8 +56,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import parse_shapes, write_json  # noqa: E402
-from benchmarks.rounds import ratio_over_rounds, round_order  # noqa: E402
+from benchmarks.rounds import back_to_back_ms, ratio_over_rounds, round_order  # noqa: E402
 from parallel_lora import LoRAConfig, LoRALinear  # noqa: E402
+
+# Graph replays per pair of events, and batches per measurement (the median's): ~100 steps of 0.4-3 ms.
+GRAPH_CALLS, GRAPH_BATCHES = 10, 10
 
 SHAPES = [
     (8192, 4096, 4096, 16),
@@ -173,8 +181,11 @@ def time_impl(name, f, x, dy, A, B, reps, graph=False):
 
     if graph:
         fwd, fwdbwd = graphed(fwd), graphed(fwdbwd)
-    fwd_ms = do_bench(fwd, warmup=25, rep=reps, return_mode="median")
-    fwdbwd_ms = do_bench(fwdbwd, warmup=25, rep=reps, return_mode="median")
+        fwd_ms = back_to_back_ms(fwd, GRAPH_CALLS, GRAPH_BATCHES)
+        fwdbwd_ms = back_to_back_ms(fwdbwd, GRAPH_CALLS, GRAPH_BATCHES)
+    else:
+        fwd_ms = do_bench(fwd, warmup=25, rep=reps, return_mode="median")
+        fwdbwd_ms = do_bench(fwdbwd, warmup=25, rep=reps, return_mode="median")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     y = f(x)
@@ -238,7 +249,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer variants")
     parser.add_argument("--shapes", default="", help="M,K,N,r tuples separated by ';' (default: DESIGN section 6)")
-    parser.add_argument("--reps", type=int, default=40, help="ms of timed repetitions per measurement")
+    parser.add_argument("--reps", type=int, default=40, help="ms of do_bench repetitions per measurement (eager)")
     parser.add_argument("--impls", default="", help="comma-separated subset of implementations")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/<date>-<gpu>.json)")
     parser.add_argument("--dropouts", default="0.0,0.1", help="comma-separated dropout probabilities")
@@ -266,6 +277,8 @@ def main():
         "date": dt.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "dtype": "bfloat16",
         "command": "python " + " ".join(sys.argv),
+        "timing": f"graph replays back to back, {GRAPH_CALLS} per event pair, median of {GRAPH_BATCHES}, no L2 flush"
+        if args.graph else f"do_bench medians over {args.reps} ms, L2 flushed before each call",
     }
     out = Path(args.out) if args.out else (
         Path(__file__).resolve().parents[1] / "benchmarks" / "results"

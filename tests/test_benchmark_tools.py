@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.compile_check import wgmma_loops  # noqa: E402
 from benchmarks.report import parse_shapes, probe_parser  # noqa: E402
-from benchmarks.rounds import ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
+from benchmarks.rounds import back_to_back_ms, ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
 
@@ -51,6 +51,26 @@ def test_time_in_rounds_times_each_case_once_per_round_in_round_order():
     assert calls == [name for rnd in range(3) for name in round_order(NAMES, rnd)]
     assert all(len(ts) == 3 for ts in times.values())
     assert times[calls[0]][0] == 1.0  # the first call of round 0 is its leader's first time
+
+
+def test_back_to_back_times_are_per_call_medians_over_batches_after_one_untimed_call():
+    clock = {"ms": 0.0, "calls": 0}
+    cost = [5.0, 1.0, 1.0, 2.0, 2.0, 9.0, 9.0]  # the untimed first call, then three batches of two
+
+    class Event:  # stands in for torch.cuda.Event: records the fake clock
+        def record(self):
+            self.at = clock["ms"]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def fn():
+        clock["ms"] += cost[clock["calls"]]
+        clock["calls"] += 1
+
+    ms = back_to_back_ms(fn, calls=2, batches=3, event=Event, sync=lambda: None)
+    assert clock["calls"] == 1 + 2 * 3
+    assert ms == 2.0  # batches of 1.0, 2.0 and 9.0 ms per call; the slow first call is not timed
 
 
 def test_shapes_parse_as_the_scripts_document_them():
