@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.compile_check import wgmma_loops  # noqa: E402
 from benchmarks.report import parse_shapes, probe_parser  # noqa: E402
 from benchmarks.rounds import back_to_back_ms, ratio_over_rounds, round_order, time_in_rounds  # noqa: E402
+from benchmarks.targets import target_rows  # noqa: E402
 
 NAMES = ["cublas", "ours", "peft", "addmm", "slow_fallback"]
 
@@ -71,6 +72,25 @@ def test_back_to_back_times_are_per_call_medians_over_batches_after_one_untimed_
     ms = back_to_back_ms(fn, calls=2, batches=3, event=Event, sync=lambda: None)
     assert clock["calls"] == 1 + 2 * 3
     assert ms == 2.0  # batches of 1.0, 2.0 and 9.0 ms per call; the slow first call is not timed
+
+
+def test_targets_compare_each_round_with_cublas_of_the_same_round_and_flag_each_target():
+    def case(name, *ms):
+        return {"shape": [8192, 4096, 4096, 16], "case": name, "ms_rounds": list(ms)}
+
+    data = {"rows": [
+        case("cublas_y", 1.0, 2.0, 1.0), case("cublas_dx", 1.0, 2.0, 1.0),
+        case("new_forward", 1.04, 2.08, 1.5), case("new_backward", 1.1, 2.2, 1.1),
+        case("new_forward_drop", 1.04, 2.08, 1.5), case("new_backward_drop", 1.1, 2.2, 1.1),
+        *(case(f"old_{c}", 9.0, 9.0, 9.0) for c in ("forward", "backward", "forward_drop", "backward_drop")),
+        {"shape": [8, 8, 8, 8], "case": "cublas_y", "ms_rounds": [1.0]},  # no target: left out
+    ]}  # fmt: skip
+    (row,) = target_rows(data)
+    assert row["fwd_ratio"] == pytest.approx(1.04)  # rounds 1.04, 1.04, 1.5: a slow round does not move it
+    assert row["fwdbwd_ratio"] == pytest.approx(1.07)  # (1.04 + 1.1) / 2 in two of three rounds
+    assert row["dropout_cost"] == pytest.approx(0.0)
+    assert row["met"] == {"fwd": True, "fwdbwd": False, "dropout": True}
+    assert target_rows(data, tree="old")[0]["fwd_ratio"] == pytest.approx(9.0)
 
 
 def test_shapes_parse_as_the_scripts_document_them():
