@@ -3,6 +3,11 @@
     python benchmarks/targets.py benchmarks/results/2026-12-05-probe-ab-flat-dx-h100.json \\
         benchmarks/results/2026-12-05-probe-ab-flat-dx-mlp-h100.json
 
+To measure the tree at hand alone, compare it with itself (its package is loaded twice; read ``--tree new``):
+
+    python benchmarks/probe_ab.py --old . --profile 20 --rounds 5 --out ab.json \
+        --shapes "8192,4096,4096,16;8192,4096,4096,64;8192,4096,14336,16;8192,14336,4096,16"
+
 Reads ``probe_ab.py --profile N`` JSON (each case's kernels' GPU time over N calls back to back, no L2 flush;
 rounds within ~0.3% of each other) and prints, per shape, the forward and fwd+bwd ratios of one tree
 (``--tree``, default ``new``) to cuBLAS's ``y`` and ``dx`` GEMMs, and what "pre" dropout 0.1 adds to the op's
