@@ -5,7 +5,7 @@
 
 To measure the tree at hand alone, compare it with itself (its package is loaded twice; read ``--tree new``):
 
-    python benchmarks/probe_ab.py --old . --profile 20 --rounds 5 --out ab.json \
+    python benchmarks/probe_ab.py --old . --profile 20 --rounds 5 --out ab.json \\
         --shapes "8192,4096,4096,16;8192,4096,4096,64;8192,4096,14336,16;8192,14336,4096,16"
 
 Reads ``probe_ab.py --profile N`` JSON (each case's kernels' GPU time over N calls back to back, no L2 flush;
