@@ -569,7 +569,8 @@ def test_tma_gemm_gives_the_same_bits_with_rank_tiles_through_tma_or_pointers(or
     s = torch.randn(150, r, device=DEVICE).to(torch.bfloat16)
     act, w, bias, f = (x, weight.t(), b, lora_B.t()) if orient == "y" else (dy, weight, None, lora_A)
     slow = _misaligned_copy(s)
-    assert rank_tma(s, f, False) == (True, orient == "y") and rank_tma(slow, f, False) == (False, False)
+    assert rank_tma(s, f, False) == {"RANK_TMA": True, "F_T": orient == "y"}
+    assert rank_tma(slow, f, False) == {"RANK_TMA": False, "F_T": False}
     out = lora_gemm(act, w, bias, s, f)
     assert torch.equal(out, lora_gemm(act, w, bias, slow, f))
     ref = act.double() @ w.double() + s.double() @ f.double() + (0 if bias is None else bias.double())
@@ -595,8 +596,8 @@ def test_rank_tiles_go_through_tma_only_where_a_descriptor_reads_them(r, dtype, 
     s = torch.zeros(64, r, device=DEVICE, dtype=dtype)
     lora_A = torch.zeros(r, 96, device=DEVICE, dtype=dtype)
     lora_B = torch.zeros(80, r, device=DEVICE, dtype=dtype)
-    assert rank_tma(s, lora_A, lora_drop) == (expected, False)  # dx: A [r, K] read as is
-    assert rank_tma(s, lora_B.t(), lora_drop) == (expected, expected)  # y: B^T read through B's rows
+    assert rank_tma(s, lora_A, lora_drop) == {"RANK_TMA": expected, "F_T": False}  # dx: A [r, K] read as is
+    assert rank_tma(s, lora_B.t(), lora_drop) == {"RANK_TMA": expected, "F_T": expected}  # y: B^T via B's rows
 
 
 def test_m_zero_returns_empty_outputs_without_launch(monkeypatch):

@@ -210,7 +210,7 @@ def lora_dx_and_grads(
             "DB_SUMS": sums,
             "LORA_DROP": lora_drop,
             "ODD_OFFSET": odd,
-            **dict(zip(("RANK_TMA", "F_T"), rank_tma(g, lora_A, lora_drop), strict=True)),
+            **rank_tma(g, lora_A, lora_drop),
             "A_TMA": want_a and tma_rows(feat_a),
             "B_TMA": want_b and tma_rows(feat_b),
             "R_PAD": r_pad,

@@ -318,20 +318,20 @@ def tma_operand(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (w.t() if w_nk else w), w_nk
 
 
-def rank_tma(s: torch.Tensor, f: torch.Tensor, lora_drop: bool) -> tuple[bool, bool]:
-    """``(RANK_TMA, F_T)`` of a TMA GEMM's rank term ``s [M, r] @ f [r, N_out]``: whether its tiles can come through
-    TMA descriptors (then ``gemm_tiles`` flattens its loops), and whether f is read as ``f.t()``'s rows (B [N, r]
-    for y; A [r, K] for dx is read as is). Not under "pre" dropout, whose masked term goes first (a flattened
-    loop with the rank term before the K loop ran at 2x cuBLAS, NOTES.md, session 2); not for a rank whose rows
-    are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where each chunk's tiles
-    took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer loads."""
-    if lora_drop or pad_rank(s.shape[1]) > MAX_BLOCK_R or not tma_rows(s):
-        return False, False
-    if tma_rows(f):
-        return True, False
-    if tma_rows(f.t()):
-        return True, True
-    return False, False
+def rank_tma(s: torch.Tensor, f: torch.Tensor, lora_drop: bool) -> dict[str, bool]:
+    """The launch constants ``RANK_TMA`` and ``F_T`` of a TMA GEMM's rank term ``s [M, r] @ f [r, N_out]``: whether
+    its tiles can come through TMA descriptors (then ``gemm_tiles`` flattens its loops), and whether f is read as
+    ``f.t()``'s rows (B [N, r] for y; A [r, K] for dx is read as is). Not under "pre" dropout, whose masked term
+    goes first (a flattened loop with the rank term before the K loop ran at 2x cuBLAS, NOTES.md, session 2); not
+    for a rank whose rows are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where
+    each chunk's tiles took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer
+    loads."""
+    describable = not lora_drop and pad_rank(s.shape[1]) <= MAX_BLOCK_R and tma_rows(s)
+    if describable and tma_rows(f):
+        return {"RANK_TMA": True, "F_T": False}
+    if describable and tma_rows(f.t()):
+        return {"RANK_TMA": True, "F_T": True}
+    return {"RANK_TMA": False, "F_T": False}
 
 
 def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
@@ -399,7 +399,7 @@ def lora_gemm_tma(
             "HAS_BIAS": bias is not None,
             "LORA_DROP": lora_drop,
             "ODD_OFFSET": odd_offset,
-            **dict(zip(("RANK_TMA", "F_T"), rank_tma(s, f, lora_drop), strict=True)),
+            **rank_tma(s, f, lora_drop),
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "NUM_SMS": num_sms,
