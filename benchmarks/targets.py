@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
+from rounds import ratio_over_rounds  # noqa: E402
 
 # (M, K, N, r) -> (forward, fwd+bwd) targets; dropout 0.1 should cost what dropout 0 costs.
 TARGETS = {
@@ -39,8 +39,8 @@ DROPOUT_SLACK = 0.01  # "costs the same": within 1%, three times the rounds' spr
 
 def round_ratio(cases: dict, num: list[str], den: list[str]) -> float:
     """Median over rounds of ``sum(num cases) / sum(den cases)`` in the same round."""
-    rounds = zip(*(cases[c] for c in num + den), strict=True)
-    return statistics.median(sum(t[: len(num)]) / sum(t[len(num) :]) for t in rounds)
+    per_round = [[sum(ms) for ms in zip(*(cases[c] for c in names), strict=True)] for names in (num, den)]
+    return ratio_over_rounds(*per_round)
 
 
 def target_rows(data: dict, tree: str = "new") -> list[dict]:
