@@ -1,9 +1,14 @@
 from setuptools import find_packages, setup
 
+TRAIN = ["tqdm", "matplotlib"]  # launch/train.py's progress bar and loss plot
+HF = ["transformers>=4.51", "tokenizers"]  # parallel_lora.hf: Hugging Face checkpoints and their TP plans
+TEST = ["pytest>=8", "numpy", "peft>=0.13"]
+
 setup(
     name="parallel_lora",
     version="0.1.0",
     description="LoRA adapters on Megatron-style tensor-parallel linear layers, with fused Triton kernels",
+    license="Apache-2.0",
     packages=find_packages(include=["parallel_lora", "parallel_lora.*"]),
     python_requires=">=3.10",
     install_requires=[
@@ -12,7 +17,9 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "numpy", "peft>=0.13", "tqdm", "matplotlib"],
-        "dev": ["pytest>=8", "numpy", "ruff", "matplotlib", "tqdm"],
+        "train": TRAIN,
+        "hf": HF,
+        "test": TEST,
+        "dev": TEST + TRAIN + HF + ["ruff"],
     },
 )
