@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum ``t`` over ``group``, in place when ``t`` is contiguous (every caller hands over a tensor it owns:
     a kernel's output or a gradient). In-place c10d skips the functional collective's output copy and its
-    ``AsyncCollectiveTensor`` wrapper (on the H200 machine ~150-200 us of host time per call); the current
+    ``AsyncCollectiveTensor`` wrapper, which cost more host time than the collective's launch; the current
     stream waits for it, the host does not. A one-rank group sums nothing."""
     if group.size() == 1:
         return t
@@ -183,9 +183,8 @@ def param_grad(grad: torch.Tensor, param: DTensor) -> DTensor:
 
     Where the local layouts agree (shape, stride, dtype: the kernels' fresh contiguous gradients), it is built
     on the parameter's own spec, as DTensor's ``to_local`` backward builds its gradients; ``from_local``
-    derives a new spec instead, twice per backward on autograd's device thread: with it the TP layers' fwd+bwd
-    took 234-290 us of host time on the dev CPU, without it 154-175 (``benchmarks/python_overhead.py --tp``,
-    launches stubbed; ``LoRALinear`` 105). Any other layout goes through ``from_local``."""
+    derives a new spec instead, twice per backward on autograd's device thread, about half again the host time
+    of the whole TP layer's fwd+bwd. Any other layout goes through ``from_local``."""
     local = param._local_tensor
     if grad.shape == local.shape and grad.stride() == local.stride() and grad.dtype == local.dtype:
         return DTensor(grad, param._spec, requires_grad=False)

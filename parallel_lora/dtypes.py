@@ -1,6 +1,6 @@
 """The dtype policy: one function decides the compute dtype, one applies the boundary casts.
 
-Rule (DESIGN section 2): the compute dtype is the base layer's output dtype, i.e. the autocast dtype when
+Rule (docs/design.md, section 2): the compute dtype is the base layer's output dtype, i.e. the autocast dtype when
 autocast is active on ``x``'s device, otherwise the base weight's dtype. Casts happen *outside* the
 autograd Function, so autograd routes every gradient back through them and each gradient arrives in its
 own tensor's dtype (fp32 master adapters get fp32 grads, a bf16 activation gets a bf16 grad).
