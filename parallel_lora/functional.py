@@ -1,4 +1,4 @@
-"""The functional LoRA op, its autograd Function and the backend choice.
+"""The functional LoRA op and its autograd Function (the backend choice: ``parallel_lora.backend``).
 
 ``lora_linear`` applies the dtype policy (``parallel_lora.dtypes``) at the boundary, *outside* the
 autograd Function, then runs one backend on 2-D views:
@@ -13,42 +13,15 @@ The tensor-parallel layers call ``lora_linear_local`` on their shards (``paralle
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import eager
+from .backend import resolve_backend
 from .dropout import P_RANGE, Dropout, new_seed, valid_p
 from .dtypes import autocast_off, canonicalize, cast_to, compute_dtype
-
-_BACKENDS = ("auto", "triton", "torch")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA (when Triton imports), ``"torch"`` otherwise."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if device.type != "cuda":
-            return "torch"
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "triton"
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch' (or 'auto'), "
-            "or set TRITON_INTERPRET=1 before importing parallel_lora to run the kernels in Triton's interpreter"
-        )
-    return backend
-
 
 _KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
 
@@ -70,13 +43,11 @@ def _fused_forward(*args):
 
 @torch.compiler.disable
 def _fused_backward(*args, **kwargs):
-    return _kernels().backward_unchecked(*args, **kwargs)
+    return _kernels().backward(*args, **kwargs)
 
 
 def _impl(backend: str) -> tuple[Callable, Callable]:
-    """``(forward, backward)`` of a backend. The fused backward skips the kernels' argument checks: its
-    operands are what the checked forward saved, and autograd hands it ``dy`` of the output's shape and
-    dtype."""
+    """``(forward, backward)`` of a backend (the kernels check their operands at a layout's first call only)."""
     if backend != "triton":
         return eager.forward, eager.backward
     return _fused_forward, _fused_backward

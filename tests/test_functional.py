@@ -252,17 +252,17 @@ def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):
 
 
 def record_calls(monkeypatch, module) -> dict[str, set[torch.dtype]]:
-    """Wrap the forward and backward the autograd Function calls in ``module`` (the fused backward is
-    ``backward_unchecked``); record the dtypes of every tensor argument."""
+    """Wrap the forward and backward the autograd Function calls in ``module``; record the dtypes of every
+    tensor argument."""
     seen: dict[str, set[torch.dtype]] = {}
-    for phase, name in (("forward", "forward"), ("backward", "backward_unchecked")):
-        real = getattr(module, name)
+    for phase in ("forward", "backward"):
+        real = getattr(module, phase)
 
         def wrapper(*args, _real=real, _phase=phase, **kw):
             seen.setdefault(_phase, set()).update(a.dtype for a in args if isinstance(a, torch.Tensor))
             return _real(*args, **kw)
 
-        monkeypatch.setattr(module, name, wrapper)
+        monkeypatch.setattr(module, phase, wrapper)
     return seen
 
 

@@ -1,32 +1,24 @@
-"""Small launch-time helpers shared by the kernel files: interpreter detection, dot options, seed split,
-per-stream workspaces.
-
-The interpreter switch is read once, at the first launch (not at import): Triton itself fixes the mode of
-each ``@triton.jit`` when it is defined, so the answer cannot change afterwards, and the launch path asks
-it many times per call.
-"""
+"""Small launch-time helpers shared by the kernel files: dot options, seed split, per-stream workspaces."""
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 from triton.runtime import driver
 
-_MASK32 = 0xFFFFFFFF
+from ..backend import interpreting
+from ..dropout import MASK32
+
 MAX_RANK = 256
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of host-side ints (``triton.cdiv`` costs a Python call chain per use)."""
     return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def dot_options(dtype: torch.dtype) -> dict[str, object]:
@@ -56,7 +48,7 @@ def split_seed(seed: int) -> tuple[int, int]:
     if seed == 0:  # no dropout: the common case, asked by every launch
         return 0, 0
     seed = int(seed)
-    return _as_int32(seed & _MASK32), _as_int32((seed >> 32) & _MASK32)
+    return _as_int32(seed & MASK32), _as_int32((seed >> 32) & MASK32)
 
 
 # Workspaces replaced by larger ones stay allocated for the life of the process. A CUDA graph captured while
@@ -88,4 +80,4 @@ def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dt
 
 def pad_rank(r: int) -> int:
     """The rank tile: the next power of two >= max(r, 16) (``tl.dot`` needs dims >= 16); tails are masked."""
-    return max(16, 1 << max(0, r - 1).bit_length())
+    return max(16, next_pow2(r))

@@ -27,11 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._interp import interpreting
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+from ._interp import interpreting, next_pow2
 
 
 @functools.cache
@@ -96,8 +92,8 @@ def gemm_work(n: dict) -> int:
 
 
 def gemm_fits(cfg: dict, nargs: dict) -> bool:
-    return cfg["BLOCK_M"] <= max(64, _next_pow2(nargs["M"])) and cfg["BLOCK_N"] <= max(
-        64, _next_pow2(nargs["N_OUT"])
+    return cfg["BLOCK_M"] <= max(64, next_pow2(nargs["M"])) and cfg["BLOCK_N"] <= max(
+        64, next_pow2(nargs["N_OUT"])
     )
 
 
@@ -198,7 +194,7 @@ def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 
 
 def shrink_fits(cfg: dict, nargs: dict) -> bool:
-    return cfg["BLOCK_M"] <= max(32, _next_pow2(nargs["M"]))
+    return cfg["BLOCK_M"] <= max(32, next_pow2(nargs["M"]))
 
 
 def shrink_db_configs() -> list[triton.Config]:
@@ -248,7 +244,7 @@ def reduce_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 
 
 def reduce_fits(cfg: dict, nargs: dict) -> bool:
-    return cfg["BLOCK_F"] <= max(64, _next_pow2(max(nargs["F_A"], nargs["F_B"])))
+    return cfg["BLOCK_F"] <= max(64, next_pow2(max(nargs["F_A"], nargs["F_B"])))
 
 
 # The largest BLOCK_M in ``reduce_configs`` (GPU) / the interpreter's BLOCK_M: a split of the M reduction
@@ -476,7 +472,7 @@ def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
     variable-length batches would otherwise retune at every new length (a compile and a timing of every
     candidate config, seconds each). The other sizes are a layer's own and stay exact."""
     m, *rest = (args[i] for i in _key_positions(spec, kernel))
-    return (_next_pow2(m), *rest)
+    return (next_pow2(m), *rest)
 
 
 def _compile(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
