@@ -14,11 +14,14 @@ DROPOUT_POSITIONS = ("pre", "post")
 BACKENDS = ("auto", "triton", "torch")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRAConfig:
     """Hyper-parameters of a LoRA adapter.
 
-    Raises ``ValueError`` on construction when a field is out of range, naming the field and value.
+    Raises ``ValueError`` on construction when a field is out of range, naming the field and value. Frozen
+    afterwards (assigning a field raises ``dataclasses.FrozenInstanceError``): layers built from a config keep
+    using it, so a late change would skip validation or silently change their scale. Build a new one with
+    ``dataclasses.replace(config, r=16)``, which validates again.
     """
 
     r: int = 8
@@ -83,7 +86,7 @@ class LoRAConfig:
                     f"LoRAConfig.target_modules must be 'all-linear' or a non-empty sequence of names/globs, "
                     f"got {self.target_modules!r}"
                 )
-            self.target_modules = modules
+            object.__setattr__(self, "target_modules", modules)  # normalized once, before anyone reads it
 
     @property
     def scale(self) -> float:

@@ -1,9 +1,10 @@
 """``LoRAConfig``: every out-of-range field raises ``ValueError`` naming the field and the bad value.
 
-Reference: the field docstrings of ``parallel_lora.config.LoRAConfig`` and DESIGN section 4 (scale is
-``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
+Reference: the field docstrings of ``parallel_lora.config.LoRAConfig`` and docs/design.md (scale is
+``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA; the config is validated on construction, frozen afterwards).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -93,3 +94,21 @@ def test_rslora_scale_is_alpha_over_sqrt_r():
     assert LoRAConfig(r=8, alpha=16, use_rslora=True).scale == pytest.approx(16 / math.sqrt(8))
     # Not vacuous: the two rules disagree for every r > 1.
     assert LoRAConfig(r=16, alpha=8, use_rslora=True).scale != LoRAConfig(r=16, alpha=8).scale
+
+
+@pytest.mark.parametrize(("field", "value"), [("r", 0), ("r", 4), ("alpha", -1.0), ("target_modules", ())])
+def test_config_is_frozen_after_validation(field, value):
+    # A late change would skip validation (r = 0 divides by zero at the first forward) or silently change a scale
+    # that layers built from the config already use.
+    config = LoRAConfig(r=8, alpha=16)
+    with pytest.raises(dataclasses.FrozenInstanceError, match=field):
+        setattr(config, field, value)
+    assert (config.r, config.alpha, config.scale) == (8, 16, 2.0)
+
+
+def test_replace_builds_a_new_validated_config():
+    config = LoRAConfig(r=8, alpha=16, target_modules=["up"])
+    assert dataclasses.replace(config, r=4).scale == 4.0
+    assert config.r == 8
+    with pytest.raises(ValueError, match=r"LoRAConfig.r must be an integer >= 1, got 0"):
+        dataclasses.replace(config, r=0)
