@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .config import LoRAConfig
 from .dropout import CallSeeds, Dropout
 from .functional import check_inputs, linear, lora_linear_local, resolve_backend
+from .log import logger
 
 
 def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -224,7 +225,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
     adapters of an earlier call (call it again with another config for other modules, e.g. another rank).
 
     Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}`` (the
-    modules this call adapted).
+    modules this call adapted). The summary goes to the ``parallel_lora`` logger, at INFO (printed on rank 0
+    by default, see ``parallel_lora.log``), or at DEBUG with ``verbose=False``.
     Raises ``ValueError`` (listing some module names) when nothing matches.
     """
     selected = list(iter_target_linears(model, config))
@@ -250,13 +252,13 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
     model.lora_summary = {
         "modules": [n for n, _ in matched], "skipped": skipped, "trainable": trainable, "total": total,
     }
-    if verbose:
-        print(
-            f"apply_lora: {len(matched)} modules adapted; trainable params: {trainable:,} / {total:,} "
-            f"({100.0 * trainable / max(total, 1):.4f}%)"
-        )
-        if skipped:
-            print(f"apply_lora: left alone {len(skipped)} matching nn.Linear subclasses: {skipped[:8]}")
+    log = logger.info if verbose else logger.debug
+    log(
+        "apply_lora: %d modules adapted; trainable params: %s / %s (%.4f%%)",
+        len(matched), f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1),
+    )
+    if skipped:
+        log("apply_lora: left alone %d matching nn.Linear subclasses: %s", len(skipped), skipped[:8])
     return model
 
 

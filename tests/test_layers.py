@@ -8,12 +8,16 @@ of the module path) and the distributions named in ``LoRAConfig.init_A``'s docst
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import logging
 import math
 
 import pytest
 import torch
 import torch.nn as nn
+from _dist import run_ranks
 from _recipes import reset_every_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -294,6 +298,39 @@ class _ScaledLinear(nn.Linear):
 
     def forward(self, x):
         return 2 * super().forward(x)
+
+
+def _apply_lora_output(verbose: bool = True) -> str:
+    """Everything ``apply_lora`` prints on this rank, on stdout and stderr."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear"), verbose=verbose)
+    return out.getvalue()
+
+
+def test_apply_lora_prints_its_summary_once_on_rank_0_of_two():
+    rank0, rank1 = run_ranks(2, _apply_lora_output)
+    assert rank0.count("apply_lora: 12 modules adapted") == 1, rank0
+    assert rank1 == ""
+
+
+def test_apply_lora_logs_through_the_parallel_lora_logger():
+    assert _apply_lora_output(verbose=False) == ""  # DEBUG, below the logger's default level (INFO)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("parallel_lora")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear"), verbose=False)
+        apply_lora(Toy(), LoRAConfig(r=2, target_modules="all-linear"))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [(r.levelno, r.getMessage().split(";")[0]) for r in records] == [
+        (logging.DEBUG, "apply_lora: 12 modules adapted"), (logging.INFO, "apply_lora: 12 modules adapted")]
 
 
 def test_apply_lora_leaves_linear_subclasses_alone_and_reports_them():
