@@ -1,39 +1,51 @@
-"""Plot a bench_lora.py JSON: fwd and fwd+bwd ratios to the cuBLAS base, one group of bars per shape
-(dropout 0, bf16 adapters), and print the two markdown tables of ``docs/benchmarks.md``: ours against
-the best other implementation of each row (bold where ours is the fastest), then every row.
+"""Plot a layer benchmark's JSON beside it, and print its rows as the markdown table docs/benchmarks.md uses.
 
-    python benchmarks/plot.py benchmarks/results/2026-12-02-nvidia_h200.json docs/img/benchmarks.png
+    python -m benchmarks.plot benchmarks/results/layer_h100.json      # writes benchmarks/results/layer_h100.png
+
+The plot has one group of bars per shape (bf16 adapters, dropout 0): each implementation's forward and
+forward+backward time over the cuBLAS base's, with the floors of docs/design.md marked on a kernel-time run. The
+table has a line per shape, adapter dtype and dropout: every implementation's two ratios (ours in bold) and the
+memory held between forward and backward by ours and by PEFT. Needs matplotlib, not a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-import matplotlib
+from benchmarks.layer import FLOORS
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+PEERS = ("parallel_lora", "torch_eager", "addmm", "peft")
 
 
-def plot(json_path: str, png_path: str) -> None:
-    data = json.loads(Path(json_path).read_text())
-    rows = [
-        r for r in data["rows"] if r["impl"] != "base" and r["dropout"] == 0.0 and r["adapter_dtype"] == "bfloat16"
-    ]
-    shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0] != 8192, s[1], s[2], s[3]))
-    impls = sorted({r["impl"] for r in rows})
+def plot(data: dict, png: Path) -> None:
+    """Bars of ``fwd_ratio`` and ``fwdbwd_ratio`` per shape and implementation (bf16 adapters, dropout 0)."""
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("benchmarks.plot needs matplotlib: pip install -e '.[train]'")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["impl"] != "base" and r["dropout"] == 0 and r["adapter_dtype"] == "bfloat16"]
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    kernel_time = data["meta"].get("timing", "").startswith("kernel time")
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     width = 0.8 / len(impls)
-    for ax, key, title in zip(axes, ("fwd_ratio", "fwdbwd_ratio"), ("forward", "forward + backward (W frozen)"),
-                              strict=True):
+    for ax, key, title, floor in zip(axes, ("fwd_ratio", "fwdbwd_ratio"), ("forward", "forward + backward (W frozen)"),
+                                     (0, 1), strict=True):  # fmt: skip
         for i, impl in enumerate(impls):
-            values = []
-            for shape in shapes:
-                match = [r[key] for r in rows if tuple(r["shape"]) == shape and r["impl"] == impl]
-                values.append(match[0] if match else float("nan"))
-            ax.bar([j + i * width for j in range(len(shapes))], values, width, label=impl)
+            ratio = {tuple(r["shape"]): r[key] for r in rows if r["impl"] == impl}
+            ax.bar([j + i * width for j in range(len(shapes))], [ratio.get(s, float("nan")) for s in shapes], width,
+                   label=impl)  # fmt: skip
+        if kernel_time:
+            for j, shape in enumerate(shapes):
+                if shape in FLOORS:
+                    ax.hlines(FLOORS[shape][floor], j - width / 2, j + 0.8 - width / 2, colors="red", linestyles="--",
+                              label="floor" if j == 0 else None)  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
         ax.set_xticklabels([f"{k}->{n}\nr={r}\nM={m}" for m, k, n, r in shapes], fontsize=8)
@@ -41,58 +53,51 @@ def plot(json_path: str, png_path: str) -> None:
         ax.set_ylabel("time / cuBLAS base F.linear")
     axes[0].legend(fontsize=8)
     meta = data["meta"]
-    mode = ", CUDA-graph replays (GPU time)" if any(r.get("graph") for r in data["rows"]) else ""
-    fig.suptitle(f"{meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}{mode}")
+    fig.suptitle(f"{meta['gpu']}, bf16, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}\n"
+                 f"{meta.get('timing', '')}", fontsize=9)  # fmt: skip
     fig.tight_layout()
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=110)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
-def table(json_path: str) -> str:
-    """Every row: shape, adapters, dropout, impl, times, ratios and memory held, ours in bold."""
+def table(data: dict) -> str:
+    """One markdown line per shape, adapter dtype and dropout: each implementation's fwd / fwd+bwd ratio to the
+    base, and the MiB held between forward and backward by ours and by PEFT."""
+    groups: dict[tuple, dict] = {}
+    for r in data["rows"]:
+        groups.setdefault((tuple(r["shape"]), r["adapter_dtype"], r["dropout"]), {})[r["impl"]] = r
+    present = [name for name in PEERS if any(name in group for group in groups.values())]
     lines = [
-        "| M,K,N,r | adapters | dropout | impl | fwd ms | fwd+bwd ms | fwd / base | fwd+bwd / base | held MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| M,K,N,r | adapters | dropout | " + " | ".join(present) + " | held MiB ours / PEFT |",
+        "|---" * (4 + len(present)) + "|",
     ]
-    for r in json.loads(Path(json_path).read_text())["rows"]:
-        impl = f"**{r['impl']}**" if r["impl"] == "parallel_lora" else r["impl"]
-        lines.append(
-            f"| {','.join(map(str, r['shape']))} | {r['adapter_dtype']} | {r['dropout']} | {impl} | "
-            f"{r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {r['fwd_ratio']:.3f} | {r['fwdbwd_ratio']:.3f} | "
-            f"{r['held_mib']:.1f} |"
-        )
-    return "\n".join(lines)
-
-
-def summary(json_path: str) -> str:
-    """Per (shape, adapters, dropout): our ratios against the best other implementation's, held memory."""
-    rows = json.loads(Path(json_path).read_text())["rows"]
-    lines = [
-        "| M,K,N,r | adapters | dropout | ours fwd | best other fwd | ours fwd+bwd | best other fwd+bwd "
-        "| held MiB ours / PEFT |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    cases = dict.fromkeys((tuple(r["shape"]), r["adapter_dtype"], r["dropout"]) for r in rows)
-    for shape, adapters, dropout in cases:
-        group = {r["impl"]: r for r in rows if (tuple(r["shape"]), r["adapter_dtype"], r["dropout"]) == (
-            shape, adapters, dropout)}  # fmt: skip
-        ours = group["parallel_lora"]
-        others = [r for name, r in group.items() if name not in ("base", "parallel_lora")]
+    for (shape, adapters, dropout), group in groups.items():
         cells = []
-        for key in ("fwd_ratio", "fwdbwd_ratio"):
-            best = min(others, key=lambda r, key=key: r[key])
-            mark = "**" if ours[key] <= best[key] else ""
-            cells += [f"{mark}{ours[key]:.3f}{mark}", f"{best[key]:.3f} ({best['impl']})"]
-        peft = group.get("peft", {}).get("held_mib", float("nan"))
-        lines.append(
-            f"| {','.join(map(str, shape))} | {adapters} | {dropout} | {' | '.join(cells)} | "
-            f"{ours['held_mib']:.1f} / {peft:.1f} |"
-        )
+        for name in present:
+            r = group.get(name)
+            cell = "-" if r is None else f"{r['fwd_ratio']:.3f} / {r['fwdbwd_ratio']:.3f}"
+            cells.append(f"**{cell}**" if name == "parallel_lora" and r is not None else cell)
+        held = [f"{group[n]['held_mib']:g}" if n in group else "-" for n in ("parallel_lora", "peft")]
+        lines.append(f"| {','.join(map(str, shape))} | {adapters} | {dropout} | {' | '.join(cells)} | "
+                     f"{' / '.join(held)} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("json", type=Path, help="a layer benchmark's JSON (benchmarks/results/layer_<gpu>.json)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: the JSON's, ending .png)")
+    args = parser.parse_args(argv)
+    data = json.loads(args.json.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or "meta" not in data:
+        sys.exit(f"{args.json}: expected the layer benchmark's JSON, {{'meta': ..., 'rows': [...]}}")
+    png = args.out or args.json.with_suffix(".png")
+    plot(data, png)
+    print(table(data))
+    print(f"\nwrote {png}")
 
 
 if __name__ == "__main__":
-    plot(sys.argv[1], sys.argv[2])
-    print(summary(sys.argv[1]))
-    print()
-    print(table(sys.argv[1]))
+    main()
