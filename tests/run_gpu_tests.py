@@ -1,8 +1,8 @@
-"""Run the GPU tests inside one device call's time limit, so that a slow or stuck test costs only itself.
+"""Run the GPU tests within a time budget, so that a slow or stuck test costs only itself (a script, not a test).
 
-    python benchmarks/gpu_tests.py --budget 540 --test-timeout 240 --out $OUT/gpu_tests.json
-    python benchmarks/gpu_tests.py --first "direct_launch" tests/test_kernels.py      # one test ahead of the rest
-    python benchmarks/gpu_tests.py --resume gpu_tests_prev.json --out $OUT/gpu_tests.json   # the rest of a run
+    python tests/run_gpu_tests.py --budget 540 --test-timeout 240 --out gpu_tests.json
+    python tests/run_gpu_tests.py --first "direct_launch" tests/test_kernels.py     # one test ahead of the rest
+    python tests/run_gpu_tests.py --resume gpu_tests_prev.json --out gpu_tests.json   # the rest of an earlier run
 
 One ``pytest -m gpu`` process runs all the selected tests in order (compiles and tuning carry over from test to
 test). A test that runs past ``--test-timeout`` has its process group killed, is recorded as ``timeout``, and the
@@ -10,11 +10,11 @@ tests after it go on in a new process; ``--budget`` stops starting tests, and ev
 ``not run``; a test's seconds count from the end of the one before it (the first's include pytest's start).
 pytest's ``faulthandler_timeout`` dumps every thread's stack into the log at ``--test-timeout / 2``,
 which says where a stuck test waits. Prints a table, writes ``{"meta": ..., "rows": [{"test", "outcome",
-"seconds"}]}``. Session 22 lost 16 GPU tests to one ``timeout`` around a single pytest process (NOTES.md).
+"seconds"}]}`` after every pytest process, so a run cut short keeps what ran. An outer ``timeout`` around a single
+pytest process would lose every test after a stuck one.
 
-A full GPU run takes longer than one call may (session 23: about 13 minutes). ``--resume`` takes an earlier run's
-JSON, copied into the checkout (untracked files travel to the device): its passed, skipped and xfail tests keep
-their rows and are not run again, and the JSON written holds every selected test.
+A full GPU run can outlast one budget: ``--resume`` takes an earlier run's JSON, whose passed, skipped and xfail
+tests keep their rows and are not run again; the JSON written holds every selected test.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from report import write_json  # noqa: E402  (benchmarks/ is this script's directory)
 
 # ``-v`` prints a test's node id when it starts and its outcome when it ends: ``path::name[id] PASSED [ 10%]``
 # (the outcome alone on a line when a stack dump came in between).
@@ -116,7 +113,7 @@ def settled(path: str | Path) -> dict[str, dict]:
     """The rows of an earlier run's JSON whose tests need not run again: passed, skipped or xfail."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise ValueError(f"{path}: expected gpu_tests.py's JSON, {{'meta': ..., 'rows': [{{'test', 'outcome', ...}}]}}")
+        raise ValueError(f"{path}: expected run_gpu_tests.py's JSON, {{'meta': ..., 'rows': [{{'test', 'outcome'}}]}}")
     rows = data["rows"]
     return {row["test"]: row for row in rows if row["outcome"] in _SETTLED}
 
@@ -153,6 +150,13 @@ def run_all(
         if on_rows is not None:
             on_rows(rows())
     return rows()
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    """``data`` as indented JSON at ``path``, replaced atomically: a run killed mid-write keeps the previous file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def main():
