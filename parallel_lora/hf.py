@@ -1,0 +1,290 @@
+"""Hugging Face transformers causal LMs with tensor-parallel LoRA: the model's own TP plan, sharded loading.
+
+transformers models declare how they split over tensor-parallel ranks (``config.base_model_tp_plan``, merged with
+the head's ``_tp_plan`` into ``model.tp_plan``)::
+
+    {"model.layers.*.self_attn.q_proj": "colwise", ..., "model.layers.*.mlp.down_proj": "rowwise",
+     "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
+
+``parallelize`` maps each value onto the torch style with the same layouts, and ``lora_plan`` puts
+``ColwiseParallelLoRA`` / ``RowwiseParallelLoRA`` on the linears ``apply_lora`` adapted (the others keep the
+torch style), applied to each decoder layer with ``parallelize_module``. ``from_pretrained`` builds the model on
+the meta device, adapts, parallelizes, materializes and reads each rank's shards from the safetensors files
+(``parallel_lora.hf_loading``). Every check runs before a weight is read. transformers is imported only here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from .config import LoRAConfig
+from .hf_loading import checkpoint_files, init_non_persistent_buffers, load_sharded, plan_load
+from .layers import LoRALinear, apply_lora, lora_modules
+
+CONFIG_FILE = "config.json"
+# Any one of these makes a tokenizer AutoTokenizer can load (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+# transformers' plan values (transformers.distributed.tensor_parallel registers these names) -> the torch style
+# with the same layouts. An input/output "rep" or "gather_output" is a Replicate() layout on that side.
+_TORCH_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # Vocabulary-parallel embedding: each rank looks up its rows, one all-reduce sums the lookups.
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # Hidden-parallel embedding: each rank looks up its columns, one all-gather joins them.
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+}
+# Whole on every rank. transformers all-reduces their gradients (Qwen3's per-head q_norm / k_norm see only this
+# rank's heads); a frozen base has no gradient to reduce, so leaving them as they are is exact.
+_REPLICATED = ("replicate", "replicated_with_grad_allreduce")
+SUPPORTED_STYLES = (*_TORCH_STYLES, *_REPLICATED)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("parallel_lora.hf needs transformers: pip install 'parallel_lora[hf]'") from e
+    return transformers
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _arch(config: Any) -> str:
+    return ",".join(getattr(config, "architectures", None) or []) or getattr(config, "model_type", "this model")
+
+
+def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool = True) -> Any:
+    """Check a local checkpoint directory for loading at tensor-parallel size ``tp``; return its config.
+
+    Reads ``config.json`` and the safetensors headers only. Raises ``ValueError`` naming the problem: a missing
+    directory, ``config.json``, tokenizer (when ``require_tokenizer``) or safetensors weights, and what
+    ``check_tp`` refuses.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise ValueError(f"model path {folder} {what}: expected a Hugging Face checkpoint directory "
+                         f"({CONFIG_FILE}, *.safetensors, tokenizer files)")
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"{folder} has no {CONFIG_FILE}: not a Hugging Face checkpoint directory")
+    if require_tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{folder} has no tokenizer: expected one of {list(TOKENIZER_FILES)} "
+                         "(save it there with tokenizer.save_pretrained)")
+    checkpoint_files(folder)
+    try:
+        config = _transformers().AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read {folder / CONFIG_FILE}: {e}") from e
+    check_tp(config, tp)
+    return config
+
+
+def check_tp(config: Any, tp: int) -> None:
+    """Raise ``ValueError`` unless a model of ``config`` splits over ``tp`` ranks: it declares a plan
+    (``base_model_tp_plan``) whose values this module honours, and its heads and key/value heads divide by ``tp``."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    text = _text_config(config)
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"{_arch(config)} declares no tensor-parallel plan (config.base_model_tp_plan is empty): "
+                         f"it cannot run at tp={tp}; use tp=1")
+    check_plan_values(plan)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(text, field, None)
+        if isinstance(value, int) and value % tp != 0:
+            raise ValueError(f"{field}={value} is not divisible by the tensor-parallel size tp={tp}: each rank "
+                             "must hold whole heads")
+    if any(k.endswith("mlp.gate_proj") or k.endswith("mlp.up_proj") for k in plan):
+        value = getattr(text, "intermediate_size", None)
+        if isinstance(value, int) and value % tp != 0:
+            raise ValueError(f"intermediate_size={value} is not divisible by the tensor-parallel size tp={tp}")
+
+
+def check_plan_values(plan: dict[str, str]) -> None:
+    """Refuse, by entry, a plan value this module cannot honour (fused, expert or sequence-parallel styles)."""
+    bad = {k: v for k, v in plan.items() if v not in SUPPORTED_STYLES}
+    if bad:
+        raise ValueError(f"tensor-parallel plan entries parallel_lora cannot honour: {bad}; "
+                         f"supported values: {list(SUPPORTED_STYLES)}")
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's whole plan: ``{module path with '*' for layer indices: transformers style name}``."""
+    plan = getattr(model, "tp_plan", None)
+    if plan is None:  # transformers before the tp_plan property kept the merged plan in _tp_plan
+        plan = getattr(model, "_tp_plan", None)
+    return dict(plan or {})
+
+
+def _generic(name: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp``: how plans name a module of every layer."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _resolve(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """``(module name, style name)`` of every module a plan entry names."""
+    return [(name, plan[_generic(name)]) for name, _ in model.named_modules() if name and _generic(name) in plan]
+
+
+def _split_layer(name: str) -> tuple[str, str]:
+    """``model.layers.3.self_attn.q_proj`` -> (``model.layers.3``, ``self_attn.q_proj``); a module outside the
+    layer stack (``lm_head``) -> (``""``, its name)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1]), ".".join(parts[i + 1 :])
+    return "", name
+
+
+def _check_modules(model: nn.Module, entries: list[tuple[str, str]], tp: int) -> None:
+    """Every sharded linear of a decoder layer must split evenly (whole heads, whole MLP columns); the LoRA
+    layers need it too. Replicated entries must hold no trainable parameter (their gradients would be partial)."""
+    for name, value in entries:
+        module = model.get_submodule(name)
+        if value in _REPLICATED:
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            if trainable:
+                raise ValueError(f"'{name}' is '{value}' in the plan but has trainable parameters {trainable}: "
+                                 "only a frozen parameter can stay replicated without a gradient all-reduce")
+            continue
+        if not _split_layer(name)[0] or not isinstance(module, (nn.Linear, LoRALinear)):
+            continue  # embeddings and the output head may split unevenly (torch's styles pad)
+        dim, size = ("out_features", module.out_features) if "colwise" in value else ("in_features", module.in_features)
+        if size % tp != 0:
+            raise ValueError(f"'{name}' ({value}) has {dim}={size}, not divisible by the tensor-parallel size tp={tp}")
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """``(owner path, alias path)`` of each parameter that two modules share (tied input/output embeddings)."""
+    seen: dict[int, str] = {}
+    pairs = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            pairs.append((seen[id(p)], name))
+        else:
+            seen[id(p)] = name
+    return pairs
+
+
+def _retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Share again what parallelizing split into two parameters; both sides must have the same layout."""
+    for owner, alias in pairs:
+        p, q = model.get_parameter(owner), model.get_parameter(alias)
+        if p is q:
+            continue
+        if getattr(p, "placements", None) != getattr(q, "placements", None):
+            raise ValueError(f"tied '{owner}' and '{alias}' are split differently by the plan "
+                             f"({getattr(p, 'placements', None)} vs {getattr(q, 'placements', None)})")
+        module_name, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module_name) if module_name else model, attr, p)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split ``model`` (after ``apply_lora``; on the meta device or materialized) over the 1-D ``mesh`` by the
+    model's own plan, in place: ``lora_plan`` of the mapped torch styles, applied to each decoder layer (and to the
+    embedding and output head) with ``parallelize_module``. Tied parameters stay tied. Returns the model.
+
+    Raises ``ValueError`` for a model without a plan at ``mesh.size() > 1``, a value it cannot honour (named with its
+    entry), or a sharded linear that does not divide by the mesh size.
+    """
+    from .styles import lora_plan
+
+    tp = mesh.size()
+    plan = model_tp_plan(model)
+    if not plan:
+        if tp > 1:
+            raise ValueError(f"{type(model).__name__} declares no tensor-parallel plan: it cannot run at tp={tp}")
+        return model
+    check_plan_values(plan)
+    entries = _resolve(model, plan)
+    _check_modules(model, entries, tp)
+    groups: dict[str, dict[str, ParallelStyle]] = {}
+    for name, value in entries:
+        if value in _TORCH_STYLES:
+            layer, rest = _split_layer(name)
+            groups.setdefault(layer, {})[rest] = _TORCH_STYLES[value]()
+    tied = _tied_pairs(model)
+    for layer, sub_plan in groups.items():
+        parallelize_module(model.get_submodule(layer) if layer else model, mesh, lora_plan(sub_plan))
+    _retie(model, tied)
+    return model
+
+
+def _tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    if "tp" not in (mesh.mesh_dim_names or ()):
+        raise ValueError(f"a {mesh.ndim}-D mesh needs a dim named 'tp', got names {mesh.mesh_dim_names}")
+    return mesh["tp"]
+
+
+def _default_device(mesh: DeviceMesh | None) -> torch.device:
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type if mesh is not None else "cpu")
+
+
+def from_pretrained(
+    path: str | Path,
+    lora_config: LoRAConfig,
+    *,
+    mesh: DeviceMesh | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    require_tokenizer: bool = True,
+    verbose: bool = False,
+) -> nn.Module:
+    """A transformers causal LM from the checkpoint directory ``path``, with LoRA adapters, split over ``mesh``.
+
+    ``mesh``: the tensor-parallel mesh (1-D, or a mesh with a ``"tp"`` dim, e.g. a ``(dp, tp)`` one), or ``None``
+    for one device; at one rank the layers stay single-device ``LoRALinear``s. The base is ``dtype`` (bf16 by
+    default) and frozen; the adapters are ``lora_config``'s (``lora_dtype=torch.float32`` for fp32 masters), A drawn
+    from its global shape by a generator seeded with ``seed`` (the same at every TP size and on every data-parallel
+    replica), B zeros. Each rank reads only its own shards of the weights (``model.load_report``: the bytes it
+    read). Returns the model in eval mode.
+
+    Raises ``ValueError`` (before reading any weight) for what ``check_checkpoint`` and ``parallelize`` refuse and
+    for checkpoint tensors missing or of the wrong shape.
+    """
+    transformers = _transformers()
+    mesh = _tp_mesh(mesh)
+    tp = mesh.size() if mesh is not None else 1
+    config = check_checkpoint(path, tp, require_tokenizer=require_tokenizer)
+    files = checkpoint_files(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    apply_lora(model, lora_config, verbose=verbose)
+    if tp > 1:  # at tp = 1 the layers stay single-device LoRALinears: nothing to split, no plan needed
+        parallelize(model, mesh)
+    load_plan = plan_load(model, files)  # every key and shape checked, still nothing read
+
+    device = torch.device(device) if device is not None else _default_device(mesh)
+    tied = _tied_pairs(model)
+    model.to_empty(device=device)
+    _retie(model, tied)
+    init_non_persistent_buffers(model)
+    model.load_report = load_sharded(model, load_plan)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _, layer in lora_modules(model):
+        layer.reset_lora_parameters(generator)
+    return model.eval()
