@@ -58,11 +58,15 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def _tp_matches_one_device(path: str, adapter_dir: str) -> None:
+def _tp_matches_one_device(path: str, adapter_dir: str, config: LoRAConfig) -> None:
     ids = torch.randint(0, _hf.VOCAB, (2, 12))
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    one = from_pretrained(path, CONFIG, dtype=torch.float32)
-    split = from_pretrained(path, CONFIG, mesh=_dist.mesh(), dtype=torch.float32)
+    one = from_pretrained(path, config, dtype=torch.float32)
+    split = from_pretrained(path, config, mesh=_dist.mesh(), dtype=torch.float32)
+    projections = [n for n, _ in split.named_parameters() if n.endswith("_proj.weight")]
+    assert len(projections) == 7 * _hf.COMMON["num_hidden_layers"]
+    for name in projections:  # adapted or not, every linear the plan names is split
+        assert isinstance(split.get_parameter(name), DTensor), name
     with torch.no_grad():
         want = ref(ids).logits
         assert torch.equal(one(ids).logits, want), "the one-device load differs from transformers' own"
@@ -75,7 +79,8 @@ def _tp_matches_one_device(path: str, adapter_dir: str) -> None:
     assert not torch.allclose(logits, want, atol=1e-3), "B != 0 must change the logits"
     _close(got_logits, logits, "tp=2 logits")
     _close(got_loss, loss, "tp=2 loss")
-    assert sorted(got_grads) == sorted(grads) and len(grads) == 2 * 7 * _hf.COMMON["num_hidden_layers"]
+    adapted = len(config.target_modules) if isinstance(config.target_modules, tuple) else 7
+    assert sorted(got_grads) == sorted(grads) and len(grads) == 2 * adapted * _hf.COMMON["num_hidden_layers"]
     for name, g in got_grads.items():
         assert isinstance(g, DTensor) and g.dtype == torch.float32, name
         _close(g, grads[name], f"{name}.grad")
@@ -94,7 +99,13 @@ def _tp_matches_one_device(path: str, adapter_dir: str) -> None:
 
 @pytest.mark.parametrize("arch", _hf.ARCHS)
 def test_hf_model_at_tp2_matches_one_device_and_peft_loads_its_adapter(checkpoints, arch, tmp_path):
-    _dist.run_ranks(TP, _tp_matches_one_device, checkpoints[arch], str(tmp_path / "adapter"))
+    _dist.run_ranks(TP, _tp_matches_one_device, checkpoints[arch], str(tmp_path / "adapter"), CONFIG)
+
+
+def test_linears_left_unadapted_keep_the_torch_styles_of_the_plan(checkpoints, tmp_path):
+    # k_proj, o_proj, gate_proj and up_proj run under torch's ColwiseParallel / RowwiseParallel between LoRA layers.
+    config = LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"), lora_dtype=torch.float32)
+    _dist.run_ranks(TP, _tp_matches_one_device, checkpoints["llama"], str(tmp_path / "adapter"), config)
 
 
 class _CountingOpen:
