@@ -327,3 +327,25 @@ def _fsdp2_after_loading(path: str) -> None:
 
 def test_fsdp2_over_dp_after_loading_averages_like_the_dp_all_reduce(checkpoints):
     _dist.run_ranks(2 * TP, _fsdp2_after_loading, checkpoints["llama"])
+
+
+def _checkpointed_step_is_bitwise(path: str) -> None:
+    """transformers' own activation checkpointing (non-reentrant) reruns our layers, dropout masks included."""
+    config = LoRAConfig(r=4, alpha=8, target_modules="all-linear", lora_dtype=torch.float32, dropout=0.1)
+    ids = torch.randint(0, _hf.VOCAB, (2, 12))
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the layers' dropout streams are drawn when they are built
+        model = from_pretrained(path, config, mesh=_dist.mesh(), dtype=torch.float32)
+        _random_B(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        results.append(_step(model, ids))
+    (_, loss, grads), (_, got_loss, got_grads) = results
+    assert torch.equal(got_loss, loss)
+    for name, g in grads.items():
+        assert torch.equal(got_grads[name].full_tensor(), g.full_tensor()), name
+
+
+def test_activation_checkpointing_of_transformers_reruns_the_layers_bit_for_bit(checkpoints):
+    _dist.run_ranks(TP, _checkpointed_step_is_bitwise, checkpoints["llama"])
