@@ -3,7 +3,8 @@
 Each rank reads only its own part of every tensor: ``safe_open(file).get_slice(key)[slices]``, where ``slices`` is
 what the parameter's DTensor placements give this rank (``Shard(d)`` splits dim ``d`` like ``torch.chunk``,
 ``Replicate()`` takes it whole), one tensor at a time, copied into the parameter's local storage (cast to its
-dtype). So the peak host memory of a rank is its own shards plus one slice in flight, never the whole model.
+dtype). So a rank holds its own shards (on its device) plus one slice in flight (on the host), never the whole
+model.
 
 Files: ``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists (``weight_map``). Every
 key, file and shape is checked from the files' headers before any tensor is read.
