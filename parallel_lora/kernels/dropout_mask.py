@@ -15,7 +15,7 @@ Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the word
 ops: add; 3 shifts, 3 xors, 2 multiplies), and per element a shift for the low half and one unsigned compare
 against a per-program threshold, against ~130 ops for a Philox-4x32-10 draw per element. Two elements per hash
 cut the instructions of the masked dx tile's mask (128 x 256, the fused backward launch) from 2296 to 1368 per
-thread against one 24-bit uniform per hash (sm_90a SASS, ``benchmarks/compile_check.py``; NOTES.md, session 14).
+thread against one 24-bit uniform per hash (sm_90a SASS).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout
-from ._interp import cdiv, split_seed
+from .host import cdiv, split_seed
 
 _FMIX_M1 = tl.constexpr(FMIX_M1)
 _FMIX_M2 = tl.constexpr(FMIX_M2)

@@ -1,7 +1,7 @@
 """The backward's dx GEMM and both adapter gradients in one persistent launch (Hopper, TMA path):
 
-    dx = dy W + drop_pre(G A)                    the persistent TMA GEMM (``gemm_tma.gemm_tiles``)
-    dA = c * G^T drop_pre(x),  dB = dy^T S        the M reductions of ``rank_reduce`` (same tiles, same splits)
+    dx = dy W + drop_pre(G A)                    the persistent TMA GEMM (``blocks.gemm_tiles``)
+    dA = c * G^T drop_pre(x),  dB = dy^T S        the M reductions of ``adapter_grads`` (same tiles, same splits)
 
 Why one launch: a persistent GEMM of ``T`` output tiles on ``P`` SMs takes ``ceil(T / P)`` tile times, and the
 same number of waves fits on ``ceil(T / ceil(T / P))`` programs. At 8192 x 4096 (1024 tiles of 128 x 256) on
@@ -11,13 +11,13 @@ Here the ``P - ceil(T / ceil(T / P))`` spare programs start on the reductions at
 join them when their tiles are done.
 
 The reductions are a queue of ``(column tile, M split)`` items: a program takes the next one with an atomic
-increment of the queue head and works it exactly as ``rank_reduce`` does (fp32 partial per split, the tile's
+increment of the queue head and works it exactly as ``adapter_grads`` does (fp32 partial per split, the tile's
 last arrival sums the partials in split order). Which program works an item never changes what it computes,
 so results are bitwise reproducible. The last program to finish resets the queue for the next launch on the
 stream. Nothing waits on anything: the kernel is correct whichever programs run concurrently.
 
 With ``DB_SUMS`` dB is not reduced from dy: ``shrink_db`` (G's launch) left its partial sums per row block, and
-the queue's first items sum them, column tile by column tile, in row-block order.
+the queue's first items sum them, column tile by column tile, in row-block order (``sum_partials``).
 """
 
 from __future__ import annotations
@@ -26,22 +26,66 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import dot_options, interpreting, pad_rank, split_seed, stream_buffer
-from .configs import (
-    GEMM_KEY,
-    MAX_BLOCK_R,
-    REDUCE_M_ALIGN_INTERP,
-    Bound,
-    KernelSpec,
-    dx_grads_configs,
-    dx_grads_smem,
-    gemm_fits,
-    gemm_work,
-    launch,
-    sm_count,
-)
-from .gemm_tma import ensure_allocator, gemm_tiles, rank_tma, tma_rows
-from .rank_reduce import _COUNTERS, _PARTIALS, grad_problems, reduce_item, split_rows, sum_partials
+from ..backend import interpreting
+from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, reduce_smem, split_rows
+from .blocks import gemm_tiles, reduce_item
+from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
+from .host import dot_options, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
+from .tuning import ATOMIC_SLOT, sm_count
+from .workspace import COUNTERS, PARTIALS, stream_buffer
+
+
+def dx_grads_configs() -> list[triton.Config]:
+    """The TMA GEMM's tiles, each with the column width ``RED_BLOCK_F`` of the adapter-gradient tiles its spare
+    programs reduce (their M tile and stages are chosen from the rank: ``red_tiles``). The fallback row fits
+    ~100 KB like the GEMM's."""
+    return tma_configs_with("RED_BLOCK_F", (128, 128, 128, 32))
+
+
+def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The GEMM loop and the reduction loop run one after the other, so their buffers share shared memory:
+    # the larger of the two, plus the queue's and the arrival counter's atomic slots.
+    red = {"BLOCK_F": cfg["RED_BLOCK_F"], "BLOCK_M": consts["RED_BLOCK_M"]}
+    # An explicitly staged TMA loop allocates ``RED_STAGES`` buffers on Triton 3.6 (stages - 1 on 3.9).
+    red_smem = reduce_smem(red, consts["RED_STAGES"], elem, consts)
+    return max(tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
+
+
+# The longest M chunk of one reduction item. The items left when the GEMM programs finish their tiles run
+# on a busy memory system, ~25 GB/s per SM, so an item's size sets the launch's tail: whole 8192-row columns
+# (2 MB, the split at 4096 -> 14336, where 144 column tiles already fill the device) left ~46 us after the GEMM
+# on an H200; 2048-row chunks (16 row tiles per item) left ~12.
+ITEM_ROWS = 2048
+
+
+def red_tiles(r_pad: int) -> tuple[int, int]:
+    """``(RED_BLOCK_M, RED_STAGES)`` of the reductions. A program has a whole SM here (the GEMM's shared
+    memory and no co-resident program), so it keeps ``RED_STAGES - 1`` feature tiles in flight to stream at a
+    good share of the bandwidth alone: 128-row tiles where the rank tile is small, fewer rows as it grows, so
+    that the stages stay within the GEMM's shared memory (they share it: ``dx_grads_smem``)."""
+    if interpreting():
+        return REDUCE_M_ALIGN_INTERP, 2
+    return (128 if r_pad <= 32 else 64 if r_pad <= 64 else 32), 5
+
+
+@triton.jit
+def sum_partials(
+    part_ptr, out_ptr, tile, F, R, num_parts, stride_of, stride_or, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """Store ``sum_b part[b, tile's columns, :R]`` (fp32 partials ``[num_parts, F, R_PAD]``, summed in ``b``
+    order) as ``out [F, R]``: the last step of dB when its partials come from ``shrink_db``."""
+    offs_f = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_r = tl.arange(0, R_PAD)
+    f_in = offs_f < F
+    ptrs = part_ptr + offs_f[:, None] * R_PAD + offs_r[None, :]
+    total = tl.zeros((BLOCK_F, R_PAD), dtype=tl.float32)
+    for _ in tl.range(0, num_parts, num_stages=STAGES):
+        total += tl.load(ptrs, mask=f_in[:, None], other=0.0)
+        ptrs += F * R_PAD
+    out_ptrs = out_ptr + offs_f[:, None] * stride_of + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=f_in[:, None] & (offs_r[None, :] < R))
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
@@ -111,7 +155,7 @@ def _dx_and_grads_kernel(
         tl.atomic_xchg(queue + 1, 0, sem="relaxed", scope="gpu")
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="dx_grads",
     configs=dx_grads_configs,
     key=GEMM_KEY,
@@ -119,24 +163,9 @@ _SPEC = KernelSpec(
     work=gemm_work,
     fits=gemm_fits,
     dtype_arg="dy_ptr",
+    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "RED_BLOCK_F": 32},
+    descriptors=lambda consts: True,
 )
-
-
-# The longest M chunk of one reduction item. The items left when the GEMM programs finish their tiles run
-# on a busy memory system, ~25 GB/s per SM, so an item's size sets the launch's tail: whole 8192-row columns
-# (2 MB, the split at 4096->14336, where 144 column tiles already fill the device) left ~46 us after the GEMM
-# on the H200; 2048-row chunks (16 row tiles per item) left ~12 (benchmarks/NOTES.md, session 12).
-ITEM_ROWS = 2048
-
-
-def red_tiles(r_pad: int) -> tuple[int, int]:
-    """``(RED_BLOCK_M, RED_STAGES)`` of the reductions. A program has a whole SM here (the GEMM's shared
-    memory and no co-resident program), so it keeps ``RED_STAGES - 1`` feature tiles in flight to stream at a
-    good share of the bandwidth alone: 128-row tiles where the rank tile is small, fewer rows as it grows, so
-    that the stages stay within the GEMM's shared memory (they share it: ``configs.dx_grads_smem``)."""
-    if interpreting():
-        return REDUCE_M_ALIGN_INTERP, 2
-    return (128 if r_pad <= 32 else 64 if r_pad <= 64 else 32), 5
 
 
 def lora_dx_and_grads(
@@ -154,7 +183,7 @@ def lora_dx_and_grads(
     lora_drop: bool = False,
     db_partials: torch.Tensor | None = None,
     db_parts: int = 0,
-    site=None,
+    site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``dx [M, K] = dy [M, N] @ W + drop(G [M, r] @ A [r, K])`` with ``dA = c * G^T drop(x)`` ``[r, K]`` when
     ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch, in dy's dtype; or
@@ -178,26 +207,31 @@ def lora_dx_and_grads(
     F_B = N if want_b else 0
     if sums:
         dB = torch.empty((N, R), device=dev, dtype=dtype)
-        F_DB, pdb = N, db_partials
-    else:
-        F_DB, pdb = 0, out_a
-    hit = site is not None and site.bound is not None
-    if hit:
-        split, partials = site.info
+    pdb = db_partials if sums else out_a
+    if site is not None and site.bound is not None:
+        split, m_per_split, partials = site.info
     else:
         split, m_per_split = split_rows(M, F_A + F_B, dev, max_rows=ITEM_ROWS)
         partials = split * (F_A + F_B) * pad_rank(R)
-    ws = stream_buffer(_PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
-    count = stream_buffer(_COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
-    if not interpreting():
-        ensure_allocator()
+    ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
+    count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
     runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_lo, seed_hi, int(k_offset))
-    if hit:
-        site.bound.launch(tensors, runtime)
-        return dx, dA, dB
-    num_sms = 2 if interpreting() else sm_count(dev.index or 0)
+    launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
+           k_offset, info=(split, m_per_split, partials))  # fmt: skip
+    return dx, dA, dB
+
+
+def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, split: int, m_per_split: int,
+              lora_drop: bool, k_offset: int) -> tuple:  # fmt: skip
+    """The launch of ``lora_dx_and_grads`` for this layout."""
+    dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, *_ = tensors
+    M, N = dy.shape
+    K, R = lora_A.shape[1], g.shape[1]
+    want_a, want_b = x is not None, s_lora is not None
+    F_A, F_B, F_DB = K if want_a else 0, N if want_b else 0, N if sums else 0
+    num_sms = 2 if interpreting() else sm_count(dy.device.index or 0)
     odd = lora_drop and k_offset % 2 == 1
 
     def build():
@@ -216,14 +250,11 @@ def lora_dx_and_grads(
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             **dict(zip(("RED_BLOCK_M", "RED_STAGES"), red_tiles(r_pad), strict=True)),
-            **dot_options(dtype),
+            **dot_options(dy.dtype),
         }
         return static, lambda meta: (num_sms,), consts
 
     a_layout = want_a and (x.stride(), tma_rows(x))
     signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
-                 want_b and s_lora.stride(), sums and db_parts, dtype, lora_drop, odd, num_sms)  # fmt: skip
-    bound: Bound = launch(_SPEC, _dx_and_grads_kernel, signature, tensors, runtime, build)
-    if site is not None:
-        site.info, site.bound = (split, partials), bound
-    return dx, dA, dB
+                 want_b and s_lora.stride(), sums and db_parts, dy.dtype, lora_drop, odd, num_sms)  # fmt: skip
+    return SPEC, _dx_and_grads_kernel, signature, build

@@ -25,20 +25,38 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed
-from .configs import (
-    GEMM_KEY,
-    MAX_BLOCK_R,
-    KernelSpec,
-    Site,
-    gemm_configs,
-    gemm_fits,
-    gemm_smem,
-    gemm_work,
-    launch,
-)
 from .dropout_mask import drop_tile
-from .gemm_tma import ensure_allocator, lora_gemm_tma, tma_compatible, tma_operand
+from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
+from .host import cdiv, dot_options, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
+
+
+def gemm_configs() -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the tiles of Triton's matmul tutorial, a correctness-first
+    set for the portable path (the TMA kernel's are the tuned ones)."""
+    rows = [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 4),
+        (128, 128, 32, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (64, 64, 32, 5, 2),
+        (64, 64, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in rows
+    ]
+
+
+def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The K loop streams an x tile and a W tile per stage; the rank-r tiles (S|G and B|A) are one more
+    # buffer, or a pipelined loop of their own (``stages`` buffers) when the rank takes several chunks.
+    bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
+    rank_buffers = stages if consts["R"] > br else 1
+    return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -144,7 +162,7 @@ def _lora_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="gemm",
     configs=gemm_configs,
     key=GEMM_KEY,
@@ -152,6 +170,7 @@ _SPEC = KernelSpec(
     work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
+    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4},
 )
 
 
@@ -183,37 +202,33 @@ def lora_gemm(
     # w.t(): the same address, and a launch reads only the tensors' addresses.
     tensors = (x, w, bias if bias is not None else out, s, f, out)
     runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
-    if site is not None and site.bound is not None:
-        if site.info[0]:
-            ensure_allocator()
-        site.bound.launch(tensors, runtime)
-        return out
-    K_red = x.shape[1]
-    R = s.shape[1]
+    launch(site, tensors, runtime, _describe, x, w, bias, s, f, out, lora_drop, n_offset)
+    return out
+
+
+def _describe(x, w, bias, s, f, out, lora_drop: bool, n_offset: int) -> tuple:
+    """The launch of ``lora_gemm`` for this layout: the TMA kernel where the operands allow, else this one."""
+    odd = lora_drop and n_offset % 2 == 1
     # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
     # for dx, or W = w.t() for y.
     w_tma, w_nk = tma_operand(w)
-    use_tma = tma_compatible(x, w_tma, N_out)
-    odd = lora_drop and n_offset % 2 == 1
-    if use_tma:
-        bound = lora_gemm_tma(x, w_tma, w_nk, bias, s, f, out, tensors, runtime, lora_drop=lora_drop, odd_offset=odd)
-    else:
+    if tma_compatible(x, w_tma, out.shape[1]):
+        return describe_tma_gemm(x, w_tma, w_nk, bias, s, f, out, lora_drop, odd)
+    M, K_red = x.shape
+    N_out, R = out.shape[1], s.shape[1]
 
-        def build():
-            static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
-                      bias.stride(0) if bias is not None else 0)  # fmt: skip
-            consts = {
-                "HAS_BIAS": bias is not None,
-                "LORA_DROP": lora_drop,
-                "ODD_OFFSET": odd,
-                "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
-                **dot_options(x.dtype),
-            }
-            return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
+    def build():
+        static = (M, N_out, K_red, R, *x.stride(), *w.stride(), *s.stride(), *f.stride(), *out.stride(),
+                  bias.stride(0) if bias is not None else 0)  # fmt: skip
+        consts = {
+            "HAS_BIAS": bias is not None,
+            "LORA_DROP": lora_drop,
+            "ODD_OFFSET": odd,
+            "BLOCK_R": min(pad_rank(R), MAX_BLOCK_R),
+            **dot_options(x.dtype),
+        }
+        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
-        signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
-                     s.stride(), f.stride(), x.dtype, lora_drop, odd)  # fmt: skip
-        bound = launch(_SPEC, _lora_gemm_kernel, signature, tensors, runtime, build)
-    if site is not None:
-        site.info, site.bound = (use_tma and not interpreting(),), bound
-    return out
+    signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
+                 s.stride(), f.stride(), x.dtype, lora_drop, odd)  # fmt: skip
+    return SPEC, _lora_gemm_kernel, signature, build

@@ -10,20 +10,20 @@ the tiles move. ``NUM_SMS`` programs walk the output tiles in grouped order (``G
 the N tiles together, so the ``w`` panel stays in L2), and every x / w / out tile moves through a device-side
 TMA descriptor (``tl.make_tensor_descriptor``): bulk copies into swizzled shared memory feeding wgmma, with
 out-of-bounds rows and columns zero-filled on load and clipped on store, so M, N and K tails need no masks.
-The output leaves as two half-width tiles (half the shared-memory staging).
+The output leaves as two half-width tiles (half the shared-memory staging). The tile loop is
+``blocks.gemm_tiles``, which the backward's fused launch (``dx_grads``) runs too.
 
 The rank-r term goes into the same fp32 accumulator, ``acc += s_tile @ f_tile`` (r in ``BLOCK_R`` chunks),
 after the K loop; for dx under "pre" dropout it goes first, masked (columns ``n_offset + n``) and scaled by
 ``1/(1-p)``, and the K loop then accumulates onto it, so the mask touches the LoRA term alone without a
 second accumulator tile.
 
-Why this structure (``benchmarks/probe_gemm.py``, H200, bf16, ratio to cuBLAS; NOTES.md has the table): the
-bare persistent TMA core runs at 0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``)
-is as fast without a rank term but 1.20-1.26x with one in the epilogue read through pointers, and 2-2.4x
-with one in the prologue; unflattened loops with the half-tile store hold the rank term at 0.99-1.06x.
-With the rank tiles read through TMA descriptors instead, the flattened loops win (session 26, H100, 8192 x
-4096 -> 4096: 4-7 us a GEMM in the probe, 2-3 us in the backward's fused launch), so ``gemm_tiles`` takes them
-wherever the rank tiles can be described (``rank_tma``) and the rank term comes last.
+Why this structure (H200, bf16, kernel time against cuBLAS's): the bare persistent TMA core runs at
+0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``) is as fast without a rank term but
+1.20-1.26x with one in the epilogue read through pointers, and 2-2.4x with one in the prologue; unflattened
+loops with the half-tile store hold the rank term at 0.99-1.06x. With the rank tiles read through TMA
+descriptors instead, the flattened loops win (H100, 8192 x 4096 -> 4096: 4-7 us a GEMM), so ``gemm_tiles``
+takes them wherever the rank tiles can be described (``rank_tma``) and the rank term comes last.
 
 Descriptors need 16-bit operands, unit inner strides and 16-byte aligned rows (``tma_compatible``); the
 launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
@@ -32,198 +32,74 @@ launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, grown, interpreting, pad_rank
-from .configs import (
-    GEMM_KEY,
-    MAX_BLOCK_R,
-    Bound,
-    KernelSpec,
-    gemm_fits,
-    gemm_tma_configs,
-    gemm_tma_smem,
-    gemm_work,
-    launch,
-    sm_count,
-)
-from .dropout_mask import drop_tile
+from ..backend import interpreting
+from .blocks import gemm_tiles
+from .host import cdiv, dot_options, next_pow2, pad_rank
+from .launcher import KernelSpec
+from .tuning import sm_count
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs, shared by every GEMM launch (this one, the pointer kernel's and the fused launches').
+# ---------------------------------------------------------------------------------------------------------
+
+# Autotune key of every GEMM launch, and the rank chunk (r = 256 in one chunk would double the shared-memory
+# footprint of a 128x128 tile).
+GEMM_KEY = ("M", "N_OUT", "K_RED", "R")
+MAX_BLOCK_R = 64
 
 
-@triton.jit
-def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: ``GROUP_M`` row-blocks of tiles share each sweep over the N tiles."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+def gemm_work(n: dict) -> int:
+    return n["M"] * n["N_OUT"] * (n["K_RED"] + n["R"])
 
 
-@triton.jit
-def rank_term(
-    acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
-    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    S_CACHE: tl.constexpr,
-):  # fmt: skip
-    """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32, r in ``BLOCK_R`` chunks (unrolled; a chunk past R
-    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r. ``S_CACHE``:
-    the loads' cache modifier for s (".cg" reads s at L2, where another program of this launch wrote it)."""
-    m_in = offs_m < M
-    n_in = offs_n < N_OUT
-    rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
-    for r0 in tl.static_range(0, R_PAD, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_in = offs_r < R
-        s = tl.load(s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr, mask=m_in[:, None] & r_in[None, :],
-                    other=0.0, cache_modifier=S_CACHE)  # fmt: skip
-        f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
-                    mask=r_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
-        if UPCAST:
-            s = s.to(tl.float32)
-            f = f.to(tl.float32)
-        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
-    return acc
+def gemm_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_M"] <= max(64, next_pow2(nargs["M"])) and cfg["BLOCK_N"] <= max(64, next_pow2(nargs["N_OUT"]))
 
 
-@triton.jit
-def tile_dot(
-    acc, a_desc, b_desc, pid_m, pid_n, off, B_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``acc + a[tile rows, off:off + step] @ b[off:off + step, tile columns]``, one step of a tile's reduction
-    through TMA descriptors: b's tile read as ``[BLOCK_N, step]`` and transposed (``B_T``), or as
-    ``[step, BLOCK_N]``."""
-    a = a_desc.load([pid_m * BLOCK_M, off])
-    if B_T:
-        b = b_desc.load([pid_n * BLOCK_N, off]).T
-    else:
-        b = b_desc.load([off, pid_n * BLOCK_N])
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+def tma_configs() -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). 128x256x64 in 3 stages with 8 warps matched cuBLAS (H200,
+    8192 x 4096 -> 4096); a 4th stage of it fits beside the rank tiles only with the output tile stored in
+    quarters, which an H100 timed no faster."""
+    rows = [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (64, 64, 64, 3, 4),  # the fallback that fits ~100 KB (sm_120-class parts have TMA but less smem)
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in rows
+    ]
 
 
-@triton.jit
-def rank_descriptors(
-    s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """The TMA descriptors of s's ``[BLOCK_M, BLOCK_R]`` tiles and f's: ``[BLOCK_N, BLOCK_R]`` tiles of ``f^T``
-    (``F_T``: B [N, r] for y) or ``[BLOCK_R, BLOCK_N]`` tiles of f (A [r, K] for dx). Columns past R read zeros."""
-    s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [stride_sm, 1], [BLOCK_M, BLOCK_R])
-    if F_T:
-        f_desc = tl.make_tensor_descriptor(f_ptr, [N_OUT, R], [stride_fn, 1], [BLOCK_N, BLOCK_R])
-    else:
-        f_desc = tl.make_tensor_descriptor(f_ptr, [R, N_OUT], [stride_fr, 1], [BLOCK_R, BLOCK_N])
-    return s_desc, f_desc
+def tma_configs_with(name: str, values: Sequence[int]) -> list[triton.Config]:
+    """``tma_configs``, row by row, each with ``name``: a tile size of the work a fused launch's spare programs
+    do (``dx_grads``, ``shrink_gemm``)."""
+    return [
+        triton.Config({**c.kwargs, name: v}, num_stages=c.num_stages, num_warps=c.num_warps)
+        for c, v in zip(tma_configs(), values, strict=True)
+    ]
 
 
-@triton.jit
-def gemm_descriptors(
-    x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The TMA descriptors of x's ``[BLOCK_M, BLOCK_K]`` tiles, w's tiles (``[BLOCK_N, BLOCK_K]`` of W when
-    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's half-width ``[BLOCK_M, BLOCK_N // 2]`` tiles."""
-    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-    if W_NK:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
-    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
-    return x_desc, w_desc, out_desc
+def tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # Per stage one x and one w tile and the 8-byte mbarrier its TMA loads arrive on; half the output tile is
+    # staged in shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their
+    # way to the tensor cores (without the barriers, the "pre"-dropout dx GEMM compiled 24 B past the estimate
+    # for sm_90a). Rank tiles through TMA (``RANK_TMA``, one chunk) add an mbarrier for each of their two loads.
+    bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
+    rank_barriers = 16 if consts.get("RANK_TMA") else 0
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8 + rank_barriers
 
 
-@triton.jit
-def k_loop(
-    acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``acc + x[tile rows, :] @ w[:, tile columns]``: the pipelined K loop of one output tile."""
-    for ki in range(k_tiles):
-        acc = tile_dot(acc, x_desc, w_desc, pid_m, pid_n, ki * BLOCK_K, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
-    return acc
-
-
-@triton.jit
-def store_tile(
-    acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Add the bias and store the tile through ``out_desc``, rounded once to ``out_ptr``'s dtype."""
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
-        acc += bias[None, :].to(tl.float32)
-    # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
-    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-    left, right = tl.split(halves)
-    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
-    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def gemm_tiles(
-    x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
-    stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-    keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
-    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
-    RANK_TMA: tl.constexpr, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
-    persistent loop of one program. Shared by ``_lora_gemm_tma_kernel`` and the backward's fused launch.
-
-    With ``RANK_TMA`` (``rank_tma``; never with ``LORA_DROP``) the rank tiles come through TMA descriptors and
-    the tile and K loops are flattened into one software pipeline, so a tile's first loads are in flight while
-    the previous tile's rank term and store run (NOTES.md, session 26). Otherwise each tile's K loop starts on
-    an empty pipeline."""
-    x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    if RANK_TMA:
-        s_desc, f_desc = rank_descriptors(s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T, BLOCK_M,
-                                          BLOCK_N, BLOCK_R)  # fmt: skip
-
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    k_tiles = tl.cdiv(K_RED, BLOCK_K)
-    num_tiles = num_pid_m * num_pid_n
-
-    # The epilogue takes its tile from its own counter: in the flattened pipeline the loop's coordinates
-    # may already be the next tile's, whose loads are issued ahead.
-    tile_out = first_tile - tile_step
-    for tile_id in tl.range(first_tile, num_tiles, tile_step, flatten=RANK_TMA):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LORA_DROP:
-            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
-            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
-            acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
-        acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        tile_out += tile_step
-        pid_m, pid_n = tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if RANK_TMA:
-            # The whole rank in one step (``rank_tma``: R_PAD == BLOCK_R); through descriptors, which is what
-            # lets the loops be flattened (pointer loads here ran 1.2x cuBLAS, NOTES.md, session 2).
-            acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, 0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
-        elif not LORA_DROP:
-            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
-        store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
-                   BLOCK_N)  # fmt: skip
+# ---------------------------------------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
@@ -281,15 +157,21 @@ def _lora_gemm_tma_kernel(
     )  # fmt: skip
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="gemm_tma",
-    configs=gemm_tma_configs,
+    configs=tma_configs,
     key=GEMM_KEY,
-    smem=gemm_tma_smem,
+    smem=tma_smem,
     work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
+    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
+    descriptors=lambda consts: True,
 )
+
+# ---------------------------------------------------------------------------------------------------------
+# Which operands the TMA kernels take, and the launch.
+# ---------------------------------------------------------------------------------------------------------
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -304,7 +186,7 @@ def tma_rows(t: torch.Tensor) -> bool:
     GPU (or in the interpreter) with describable rows (unit inner stride, 16-byte aligned base and rows)."""
     if t.dtype not in _TMA_DTYPES:
         return False
-    # Asked several times per fwd+bwd: ``is_cuda`` / ``get_device()`` avoid building torch.device objects.
+    # Asked several times per layout: ``is_cuda`` / ``get_device()`` avoid building torch.device objects.
     if not interpreting() and not (t.is_cuda and _device_has_tma(t.get_device())):
         return False
     row_stride, col_stride = t.stride()
@@ -322,10 +204,9 @@ def rank_tma(s: torch.Tensor, f: torch.Tensor, lora_drop: bool) -> dict[str, boo
     """The launch constants ``RANK_TMA`` and ``F_T`` of a TMA GEMM's rank term ``s [M, r] @ f [r, N_out]``: whether
     its tiles can come through TMA descriptors (then ``gemm_tiles`` flattens its loops), and whether f is read as
     ``f.t()``'s rows (B [N, r] for y; A [r, K] for dx is read as is). Not under "pre" dropout, whose masked term
-    goes first (a flattened loop with the rank term before the K loop ran at 2x cuBLAS, NOTES.md, session 2); not
-    for a rank whose rows are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where
-    each chunk's tiles took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer
-    loads."""
+    goes first (a flattened loop with the rank term before the K loop ran at 2x cuBLAS); not for a rank whose rows
+    are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where each chunk's tiles
+    took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer loads."""
     describable = not lora_drop and pad_rank(s.shape[1]) <= MAX_BLOCK_R and tma_rows(s)
     if describable and tma_rows(f):
         return {"RANK_TMA": True, "F_T": False}
@@ -340,55 +221,14 @@ def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
     return tma_rows(x) and tma_rows(w) and (out_cols * x.element_size()) % 16 == 0
 
 
-# (device, stream) -> the descriptor workspace of the kernels launched on that stream.
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Device-side descriptors live in a global workspace that Triton asks for at every launch. Kernels on one
-    # stream run one after another and each writes its descriptors before reading them, so one workspace per
-    # stream serves them all: a fresh ``torch.empty`` per launch cost 2-15 us of host time on the H200
-    # machine (the most on autograd's device thread), more than some of these kernels run for.
-    if stream is None:
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-    # Allocated on the current stream, which is ``stream``: the caching allocator reuses it in order. A
-    # replaced one is kept (``_interp.grown``): a captured CUDA graph may still write descriptors there.
-    key = (torch.cuda.current_device(), stream)
-    return grown(_SCRATCH, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
-
-
-def ensure_allocator() -> None:
-    # Triton keeps its allocator in a ContextVar: autograd's device threads start with the default (none),
-    # so the check runs at every launch, in the launching thread. A user's own allocator is left alone.
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def lora_gemm_tma(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    w_nk: bool,
-    bias: torch.Tensor | None,
-    s: torch.Tensor,
-    f: torch.Tensor,
-    out: torch.Tensor,
-    tensors: tuple,
-    runtime: tuple,
-    *,
-    lora_drop: bool,
-    odd_offset: bool,
-) -> Bound:
-    """Fill ``out [M, N_out]`` with ``x @ (w.T if w_nk else w) (+ bias) + drop(s @ f)``; operands checked by
-    ``tma_compatible`` and the caller (``gemm.lora_gemm``), which also gives the launch's pointer arguments
-    ``tensors`` and ``runtime`` scalars (``keep_scale, p, seed_lo, seed_hi, n_offset``). Returns the Bound."""
+def describe_tma_gemm(x, w, w_nk, bias, s, f, out, lora_drop: bool, odd_offset: bool) -> tuple:
+    """The TMA kernel's launch (``launcher.launch``'s ``describe``) for ``out [M, N_out] = x @ (w.T if w_nk else
+    w) (+ bias) + drop(s @ f)``; operands checked by ``tma_compatible`` and the caller (``gemm.lora_gemm``), whose
+    pointer arguments and runtime scalars (``keep_scale, p, seed_lo, seed_hi, n_offset``) it takes."""
     M, K_red = x.shape
     N_out = out.shape[1]
     R = s.shape[1]
     num_sms = 2 if interpreting() else sm_count(x.device.index or 0)
-    if not interpreting():
-        ensure_allocator()
 
     def build():
         static = (M, N_out, K_red, R, x.stride(0), w.stride(0), *s.stride(), *f.stride(), out.stride(0),
@@ -414,4 +254,4 @@ def lora_gemm_tma(
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), s.shape,
                  s.stride(), f.stride(), x.dtype, lora_drop, odd_offset, num_sms)  # fmt: skip
-    return launch(_SPEC, _lora_gemm_tma_kernel, signature, tensors, runtime, build)
+    return SPEC, _lora_gemm_tma_kernel, signature, build

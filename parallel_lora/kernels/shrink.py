@@ -9,7 +9,8 @@ One program owns ``BLOCK_M`` rows and the whole (padded) rank: ``acc [BLOCK_M, R
 ``BLOCK_K`` steps, ``acc += drop_pre(x_tile) @ U_tile``. Dropout scales every kept element by the same
 ``1/(1-p)``, so the kernel only *zeroes* dropped elements (exact in any dtype) and folds ``1/(1-p)`` into the
 scalar ``c = s/(1-p)`` applied once to the fp32 accumulator; the result is rounded to the input dtype once.
-The rank tail ``r < R_PAD`` is masked on load and store.
+The rank tail ``r < R_PAD`` is masked on load and store. The program's loop is ``blocks.shrink_rows``, which
+the fused forward's producers (``shrink_gemm``) run too.
 """
 
 from __future__ import annotations
@@ -18,57 +19,42 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, pad_rank, split_seed
-from .configs import KernelSpec, Site, launch, shrink_configs, shrink_fits, shrink_smem
-from .dropout_mask import drop_tile
+from .blocks import shrink_rows
+from .host import cdiv, dot_options, next_pow2, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
 
 
-@triton.jit
-def shrink_rows(
-    x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
-    k_offset, DROP_PRE: tl.constexpr, ODD_OFFSET: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, X_TMA: tl.constexpr,
-):  # fmt: skip
-    """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
-    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: the
-    "pre" mask's ``k_offset`` is odd (``dropout_mask.drop_tile``). ``X_TMA``: x's tiles
-    through a TMA descriptor (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as
-    the fused forward's producers read them. The masked pointer loads pipeline too once the strides specialize
-    on 16, as on a GPU launch (``benchmarks/compile_check.py``); the standalone launch through TMA was no faster
-    on the H200 (28.6 against 28.0 us at 8192 x 4096, benchmarks/NOTES.md, session 13)."""
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, R_PAD)
-    m_in = offs_m < M
-    r_in = offs_r < R
-    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
+def shrink_configs() -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD.
 
-    if X_TMA:
-        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    The shrink is bandwidth-bound (it reads x once), so the list favours many programs (small BLOCK_M:
+    M = 8192 rows make 256-512 programs for 132 SMs) with deep, wide K tiles in flight."""
+    rows = [
+        (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+        (16, 128, 4, 4),
+        (16, 256, 3, 4),
+        (32, 128, 4, 4),
+        (32, 256, 3, 4),
+        (32, 256, 4, 8),
+        (64, 64, 4, 4),
+        (64, 128, 3, 4),
+        (64, 128, 4, 8),
+        (128, 64, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_stages=s, num_warps=w) for bm, bk, s, w in rows]
 
-    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k_in = offs_k < K - k0
-        if X_TMA:
-            x = x_desc.load([row0, k0])
-        else:
-            x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
-        if DROP_PRE:
-            x = drop_tile(x, seed_lo, seed_hi, p, offs_m, k_offset + k0, ODD_OFFSET)
-        if UPCAST:
-            x = x.to(tl.float32)
-            u = u.to(tl.float32)
-        acc = tl.dot(x, u, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        u_ptrs += BLOCK_K * stride_uk
 
-    if DROP_POST:
-        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
-    return acc * out_scale
+def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # Per stage an x and a U tile. Under the "pre" mask Triton 3.8 writes the masked x tile back to shared memory
+    # for the tensor cores (one more x tile, compiled exactly so for sm_90a), while 3.6 and 3.9 feed it from
+    # registers; the estimate takes the larger, since pruning trusts it.
+    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    staged = bm * bk if consts["DROP_PRE"] else 0
+    return (stages * (bm * bk + bk * consts["R_PAD"]) + staged) * elem
+
+
+def shrink_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_M"] <= max(32, next_pow2(nargs["M"]))
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
@@ -115,7 +101,7 @@ def _lora_shrink_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="shrink",
     configs=shrink_configs,
     key=("M", "K", "R"),
@@ -123,6 +109,7 @@ _SPEC = KernelSpec(
     work=lambda n: n["M"] * n["K"] * n["R"],
     fits=shrink_fits,
     dtype_arg="x_ptr",
+    interp={"BLOCK_M": 32, "BLOCK_K": 32},
 )
 
 
@@ -146,7 +133,7 @@ def lora_shrink(
 ) -> torch.Tensor:
     """``x [M, K]``, ``u [K, r]`` (any strides, e.g. ``A.t()``) -> ``c * drop_post(drop_pre(x) @ u) [M, r]``
     in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``. Inputs are
-    assumed checked by the caller (``parallel_lora.kernels.lora``), which passes a ``site`` bound to this
+    assumed checked by the caller (``parallel_lora.kernels.dispatch``), which passes a ``site`` bound to this
     operand layout (filled here at the layout's first call)."""
     M = x.shape[0]
     R = u.shape[1]
@@ -156,10 +143,13 @@ def lora_shrink(
     c = shrink_scale(scale, p, drop_pre or drop_post)
     seed_lo, seed_hi = split_seed(seed)
     runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
-    if site is not None and site.bound is not None:
-        site.bound.launch((x, u, out), runtime)
-        return out
-    K = x.shape[1]
+    launch(site, (x, u, out), runtime, _describe, x, u, out, drop_pre, drop_post, k_offset)
+    return out
+
+
+def _describe(x, u, out, drop_pre: bool, drop_post: bool, k_offset: int) -> tuple:
+    """The launch of ``lora_shrink`` for this layout."""
+    (M, K), R = x.shape, u.shape[1]
     odd = drop_pre and k_offset % 2 == 1
 
     def build():
@@ -169,7 +159,4 @@ def lora_shrink(
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
     signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, odd, drop_post)
-    bound = launch(_SPEC, _lora_shrink_kernel, signature, (x, u, out), runtime, build)
-    if site is not None:
-        site.bound = bound
-    return out
+    return SPEC, _lora_shrink_kernel, signature, build

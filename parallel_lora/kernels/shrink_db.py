@@ -5,16 +5,16 @@
 
 Why: the fused backward launch (``dx_grads``) reduces dA (a read of x) and dB (a read of dy) on the dx GEMM's
 spare SMs, and at 8192 x 4096 -> 4096 r16 the two together overflow that spare time by ~21 us, where either one
-alone fits (NOTES.md, session 20). The G launch before it reads all of dy anyway; here each dy tile it loads also
-feeds ``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``rank_reduce.sum_partials``,
-~1/8 of dy's bytes at r16, ~1/4 at r32) instead of reading dy again.
+alone fits. The G launch before it reads all of dy anyway; here each dy tile it loads also feeds
+``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``dx_grads.sum_partials``, ~1/8 of
+dy's bytes at r16, ~1/4 at r32) instead of reading dy again.
 
 A program owns ``ROWS`` rows (a fixed function of the shape, never of the tuned config, so that the sums run in
 the same order whatever the tuner picks) and one of ``splits`` ranges of dy's columns; it streams its
 ``[ROWS, BLOCK_N]`` tiles once: ``acc [ROWS, R_PAD] += tile @ B_tile`` and ``P[b, cols] = tile^T @ S_rows``.
 With several column splits each program stores its G partial and the row block's last arrival sums them in
-split order (``rank_reduce.finish_tile``); the "post" mask zeroes the same elements of every partial, so it
-is applied to each (exact).
+split order (``blocks.finish_tile``); the "post" mask zeroes the same elements of every partial, so it is
+applied to each (exact).
 """
 
 from __future__ import annotations
@@ -23,11 +23,54 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stream_buffer
-from .configs import KernelSpec, Site, launch, shrink_db_configs, shrink_db_smem, sm_count
+from ..backend import interpreting
+from .blocks import finish_tile
 from .dropout_mask import drop_tile
-from .rank_reduce import finish_tile
+from .host import cdiv, dot_options, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
 from .shrink import shrink_scale
+from .tuning import ATOMIC_SLOT, sm_count
+from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
+
+
+def shrink_db_configs() -> list[triton.Config]:
+    """(BLOCK_N, stages, warps); the rows per program are fixed (``db_rows``), not tuned, so that dB's partials sum
+    in one order."""
+    rows = [
+        (32, 2, 4),  # the fallback that fits ~100 KB
+        (64, 3, 4),
+        (64, 3, 8),
+        (64, 4, 8),
+        (128, 2, 8),
+        (128, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_N": bn}, num_stages=s, num_warps=w) for bn, s, w in rows]
+
+
+def shrink_db_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # Per stage a dy tile and a B tile; S's rows once (the second dot's operand); the fp32 partial of dB on its
+    # way to a coalesced store (4 KB past the tiles at BLOCK_N 64, compiled for sm_90a), and the arrival's atomic.
+    rows, bn, r_pad = consts["ROWS"], cfg["BLOCK_N"], consts["R_PAD"]
+    return (stages * (rows * bn + bn * r_pad) + rows * r_pad) * elem + bn * r_pad * 4 + ATOMIC_SLOT
+
+
+# The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
+N_ALIGN_GPU = 128
+N_ALIGN_INTERP = 32
+# Where this path is taken (``takes_db_partials``), as measured on the backward at 8192 x 4096 -> 4096: r16 2%
+# faster on an H200 and an H100, r32 2.7% faster and r64 2% slower on an H100 (G's launch then costs twice the
+# plain G's); at 4096 tokens no change, at 2048 1% slower (the dx launch has little tail to remove there), and
+# below 8192 tokens the ~10 us of host time the path adds per backward could show in eager launches.
+MAX_DB_R_PAD = 32
+MIN_M_GPU = 8192
+# The partials stay allocated with the stream's other workspaces and grow with the tokens: past this size the
+# backward reduces dB from dy instead (64 MiB: 8192 x 14336 is 28 MiB at r16, 56 at r32; 65536 tokens at
+# N = 14336 would hold 224 MiB at r16), against dy's 64 MiB at 8192 x 4096 that dx_grads would otherwise read.
+MAX_DB_PARTIALS_BYTES = 64 << 20
+# Programs per SM the column splits aim at (one wave).
+PROGRAMS_PER_SM = 1
+# At most this many column splits: the row block's last arrival sums that many G partials alone.
+MAX_SPLITS = 8
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
@@ -80,7 +123,7 @@ def _lora_shrink_db_kernel(
     )  # fmt: skip
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="shrink_db",
     configs=shrink_db_configs,
     key=("M", "N", "R"),
@@ -88,33 +131,8 @@ _SPEC = KernelSpec(
     work=lambda n: 2 * n["M"] * n["N"] * n["R"],
     fits=lambda cfg, nargs: True,
     dtype_arg="dy_ptr",
+    interp={"BLOCK_N": 32},
 )
-
-# (device, stream) -> this launch's workspaces on that stream: the dB partials (read by the dx_grads launch
-# that follows on the stream), the G partials and the row blocks' arrival counters (left at zero).
-_DB_PARTIALS: dict[tuple, torch.Tensor] = {}
-_G_PARTIALS: dict[tuple, torch.Tensor] = {}
-_G_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-# The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
-N_ALIGN_GPU = 128
-N_ALIGN_INTERP = 32
-# Where this path is taken (``takes_db_partials``), as measured (benchmarks/NOTES.md, sessions 21 and 22): the
-# backward at 8192 x 4096 -> 4096 r16 -2% on the H200 (three runs) and on an H100; r32 -2.7% on the H100, r64 +2%
-# there (G's launch then costs twice the plain G's 26 us). At 4096 tokens no change on the H100, at 2048 +1% on
-# the H200 (the dx launch has little tail to remove there), and below 8192 the ~10 us of host time the path adds
-# per backward could show in eager launches. The partials of dB grow with r (8 MiB at 8192 x 4096, r16), against
-# dy's 64 MiB that dx_grads would otherwise read.
-MAX_DB_R_PAD = 32
-MIN_M_GPU = 8192
-# The partials stay allocated with the stream's other workspaces (``_interp.stream_buffer``) and grow with the
-# tokens: past this size the backward reduces dB from dy instead (64 MiB: 8192 x 14336 is 28 MiB at r16, 56 at
-# r32; 65536 tokens at N = 14336 would hold 224 MiB at r16).
-MAX_DB_PARTIALS_BYTES = 64 << 20
-# Programs per SM the column splits aim at (one wave).
-PROGRAMS_PER_SM = 1
-# At most this many column splits: the row block's last arrival sums that many G partials alone.
-MAX_SPLITS = 8
 
 
 def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
@@ -128,7 +146,7 @@ def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
 def db_rows() -> int:
     """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as G's
     ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256: 16 registers a thread at
-    r_pad 16, 32 at r_pad 32; fewer rows and 2 programs an SM measured slower, NOTES.md, sessions 21 and 22)."""
+    r_pad 16, 32 at r_pad 32; fewer rows and 2 programs an SM measured slower)."""
     return 32 if interpreting() else 256
 
 
@@ -171,31 +189,33 @@ def lora_shrink_db(
     r_pad = pad_rank(R)
     dev = dy.device
     g = torch.empty((M, R), device=dev, dtype=dy.dtype)
-    hit = site is not None and site.bound is not None
-    if hit:
-        splits, n_per_split = site.info
+    if site is not None and site.bound is not None:
+        splits, n_per_split, blocks = site.info
     else:
         splits, n_per_split = column_splits(M, N, dev)
-    blocks = db_blocks(M)
-    pdb = stream_buffer(_DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
-    pg = stream_buffer(_G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
-    count = stream_buffer(_G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
+        blocks = db_blocks(M)
+    pdb = stream_buffer(DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
+    pg = stream_buffer(G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
+    count = stream_buffer(G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
     runtime = (float(c), float(p), seed_lo, seed_hi)
-    if hit:
-        site.bound.launch(tensors, runtime)
-        return g, pdb, blocks
+    launch(site, tensors, runtime, _describe, dy, lora_B, s_lora, g, splits, n_per_split, blocks, drop_post,
+           info=(splits, n_per_split, blocks))  # fmt: skip
+    return g, pdb, blocks
+
+
+def _describe(dy, lora_B, s_lora, g, splits: int, n_per_split: int, blocks: int, drop_post: bool) -> tuple:
+    """The launch of ``lora_shrink_db`` for this layout."""
+    M, N = dy.shape
+    R = lora_B.shape[1]
 
     def build():
         static = (M, N, R, n_per_split, splits, *dy.stride(), *lora_B.stride(), *s_lora.stride(), *g.stride())
-        consts = {"DROP_POST": drop_post, "R_PAD": r_pad, "ROWS": db_rows(), **dot_options(dy.dtype)}
+        consts = {"DROP_POST": drop_post, "R_PAD": pad_rank(R), "ROWS": db_rows(), **dot_options(dy.dtype)}
         return static, lambda meta: (blocks, splits), consts
 
     signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, drop_post, splits,
                  db_rows())  # fmt: skip
-    bound = launch(_SPEC, _lora_shrink_db_kernel, signature, tensors, runtime, build)
-    if site is not None:
-        site.info, site.bound = (splits, n_per_split), bound
-    return g, pdb, blocks
+    return SPEC, _lora_shrink_db_kernel, signature, build

@@ -1,7 +1,7 @@
 """The forward's shrink and GEMM in one persistent launch (Hopper, TMA path):
 
-    S = c * drop_post(x A^T)                [M, r]   on the GEMM's spare SMs (``shrink.shrink_rows``)
-    y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (``gemm_tma``'s tile loop)
+    S = c * drop_post(x A^T)                [M, r]   on the GEMM's spare SMs (``blocks.shrink_rows``)
+    y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (its parts in ``blocks``)
 
 As in ``dx_grads``: a persistent GEMM of ``T`` tiles on ``P`` SMs needs only ``ceil(T / ceil(T / P))`` programs
 for its ``ceil(T / P)`` waves (128 of the H200's 132 at 8192 x 4096 -> 4096), and the separate shrink cost
@@ -9,9 +9,9 @@ for its ``ceil(T / P)`` waves (128 of the H200's 132 at 8192 x 4096 -> 4096), an
 the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
 
 No "pre" mask here: it hashes every element of x, compute the few spare SMs cannot keep up with, so GEMM tiles
-would wait for S (on the H200 a version with it took 1000 us against 412 without the mask at
+would wait for S (on an H200 a version with it takes 1000 us against 412 without the mask at
 8192 x 4096 -> 4096, 3295 against 1407 at 14336 -> 4096); that mode keeps the separate masked shrink, on every
-SM, before the GEMM (``lora.forward``).
+SM, before the GEMM (``dispatch.forward``).
 
 Synchronization, per launch epoch ``e`` (read from the stream's sync buffer at the start): a row block's flag
 is *claimed* (``2e + 1``, compare-and-swap) by whichever program first produces it, then *published*
@@ -29,25 +29,37 @@ import torch
 import triton
 import triton.language as tl
 
-from ._interp import cdiv, dot_options, interpreting, pad_rank, split_seed, stream_buffer
-from .configs import (
-    GEMM_KEY,
-    MAX_BLOCK_R,
-    Bound,
-    KernelSpec,
-    gemm_fits,
-    gemm_work,
-    launch,
-    shrink_gemm_configs,
-    shrink_gemm_smem,
-    sm_count,
-)
-from .gemm_tma import ensure_allocator, gemm_descriptors, k_loop, rank_term, store_tile, tile_coords
-from .shrink import shrink_rows, shrink_scale
+from ..backend import interpreting
+from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile, tile_coords
+from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
+from .host import cdiv, dot_options, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
+from .shrink import shrink_scale
+from .tuning import ATOMIC_SLOT, sm_count
+from .workspace import SYNC, stream_buffer
 
 # The rank tiles the fused forward takes (larger ranks keep the separate shrink: a [BLOCK_M, R_PAD] fp32
 # producer tile beside the GEMM's registers would spill).
 MAX_FUSED_R_PAD = 64
+
+# The producers' pipeline depth (their stages share the GEMM's shared memory: ``shrink_gemm_smem``).
+S_STAGES = 4
+
+
+def shrink_gemm_configs() -> list[triton.Config]:
+    """The TMA GEMM's tiles, each with the K step ``S_BLOCK_K`` of the S rows its spare programs produce
+    (``BLOCK_M`` rows at a time). The fallback row fits ~100 KB."""
+    return tma_configs_with("S_BLOCK_K", (128, 128, 128, 64))
+
+
+def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The producers' loop (x and A^T tiles, ``S_STAGES`` buffers) and the GEMM's run in different programs or one
+    # after the other, so they share shared memory: the larger of the two, plus the atomics' slot. A tile that
+    # produces its own S does so while its previous tile's output staging (half a tile) may still be draining
+    # (163864 B at 128 x 128, r = 16, compiled for sm_90).
+    bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
+    produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // 2) * elem
+    return max(tma_smem(cfg, stages, elem, consts), produce) + ATOMIC_SLOT
 
 
 @triton.jit
@@ -106,8 +118,8 @@ def _shrink_gemm_kernel(
     # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
     spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
     # Scalar reads of shared state are atomics: Triton broadcasts an atomic's result to the whole program, where a
-    # plain load is one per thread, and threads seeing different values would diverge around barriers (the likely
-    # cause of a hang on the H200). The one plain read, a tile's early look at its flag, is made uniform by a vote.
+    # plain load is one per thread, and threads seeing different values would diverge around barriers (and can
+    # hang). The one plain read, a tile's early look at its flag, is made uniform by a vote.
     epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
     claimed = 2 * epoch + 1
     published = claimed + 1
@@ -175,7 +187,7 @@ def _shrink_gemm_kernel(
         tl.atomic_xchg(sync_ptr, epoch + 1, sem="relaxed", scope="gpu")
 
 
-_SPEC = KernelSpec(
+SPEC = KernelSpec(
     name="shrink_gemm",
     configs=shrink_gemm_configs,
     key=GEMM_KEY,
@@ -183,13 +195,9 @@ _SPEC = KernelSpec(
     work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
+    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32},
+    descriptors=lambda consts: True,
 )
-
-# (device, stream) -> the int32 sync buffer of the launches on that stream (they run one after another).
-_SYNC: dict[tuple, torch.Tensor] = {}
-
-# The producers' pipeline depth (their stages share the GEMM's shared memory: ``configs.shrink_gemm_smem``).
-S_STAGES = 4
 
 
 def lora_shrink_gemm(
@@ -204,32 +212,33 @@ def lora_shrink_gemm(
     p: float = 0.0,
     seed: int = 0,
     drop_post: bool = False,
-    site=None,
+    site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [M, N], S [M, r])`` in ``x.dtype``: ``S = c * drop_post(x @ u)`` with ``u = A^T [K, r]`` and
     ``c = scale / (1 - p)`` with the "post" mask, else ``scale`` (as ``shrink.lora_shrink``), and
     ``y = x @ W^T (+ bias) + S @ f`` with ``f = B^T [r, N]``, in one launch. ``w`` is W as the TMA GEMM reads it
     (``[N, K]`` with ``w_nk``, else ``W^T [K, N]``); operands are checked by the caller, TMA-describable
     (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
-    M, K = x.shape
+    M = x.shape[0]
     R, N = f.shape
     dev, dtype = x.device, x.dtype
     y = torch.empty((M, N), device=dev, dtype=dtype)
     s_lora = torch.empty((M, R), device=dev, dtype=dtype)
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
-    sync = stream_buffer(_SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
+    sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
     seed_lo, seed_hi = split_seed(seed)
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
     runtime = (float(c), float(p), seed_lo, seed_hi)
-    if site is not None and site.bound is not None:
-        if site.info[0]:  # on GPU: Triton's descriptor workspace
-            ensure_allocator()
-        site.bound.launch(tensors, runtime)
-        return y, s_lora
-    if not interpreting():
-        ensure_allocator()
-    num_sms = 3 if interpreting() else sm_count(dev.index or 0)
+    launch(site, tensors, runtime, _describe, x, w, w_nk, bias, u, s_lora, f, y, drop_post)
+    return y, s_lora
+
+
+def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple:
+    """The launch of ``lora_shrink_gemm`` for this layout."""
+    M, K = x.shape
+    R, N = f.shape
+    num_sms = 3 if interpreting() else sm_count(x.device.index or 0)
 
     def build():
         r_pad = pad_rank(R)
@@ -243,13 +252,10 @@ def lora_shrink_gemm(
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "S_STAGES": 2 if interpreting() else S_STAGES,
-            **dot_options(dtype),
+            **dot_options(x.dtype),
         }
         return static, lambda meta: (num_sms,), consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), u.shape,
-                 u.stride(), f.stride(), dtype, drop_post, num_sms)  # fmt: skip
-    bound: Bound = launch(_SPEC, _shrink_gemm_kernel, signature, tensors, runtime, build)
-    if site is not None:
-        site.info, site.bound = (not interpreting(),), bound
-    return y, s_lora
+                 u.stride(), f.stride(), x.dtype, drop_post, num_sms)  # fmt: skip
+    return SPEC, _shrink_gemm_kernel, signature, build

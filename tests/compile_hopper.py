@@ -1,24 +1,26 @@
 """Compile the LoRA kernels for Hopper on any machine, no GPU needed, and report what the compiler made of them.
 
-    python benchmarks/compile_check.py                              # 8192 x 4096 -> 4096, r = 16, every launch
-    python benchmarks/compile_check.py --shape 8192,4096,14336,64 --launches dx_grads,dx_grads_drop --sass sass/
+    python tests/compile_hopper.py                              # 8192 x 4096 -> 4096, r = 16, every launch
+    python tests/compile_hopper.py --shape 8192,4096,14336,64 --launches dx_grads,dx_grads_drop --sass sass/
 
 The library's launchers run on CPU tensors with the GPU's choices (the TMA path, ``--sms`` SMs, Hopper dot
-options: not the interpreter's) and the launch itself stubbed, which captures each launch's arguments. Every
+options: not the interpreter's) and ``launcher.bind`` stubbed, which captures each launch's arguments. Every
 config of the kernel's autotune list is then compiled for ``sm_90a`` exactly as Triton specializes it at that
 launch (its own binder: ints divisible by 16 and 16-byte-aligned pointers marked, ``do_not_specialize``
-arguments left alone); a hand-written signature without those hints compiles a different kernel (NOTES.md,
-session 13). For each it prints the registers and the local memory (spills) of the cubin, the shared memory against the
-library's estimate (``KernelSpec.smem``, which pruning trusts), and, for the loops that issue wgmma (HGMMA), their
-length and the longest run of other instructions between two HGMMAs: integer work placed there delays the
-tensor cores (the mask-ahead experiment's 70-instruction runs, NOTES.md, session 13). ``--sass DIR`` also writes
-each kernel's SASS. Run it with the Triton the GPU machine has (3.6 here) for the numbers that matter there.
+arguments left alone); a hand-written signature without those hints compiles a different kernel. For each it
+prints the registers and the local memory (spills) of the cubin, the shared memory against the library's
+estimate (``KernelSpec.smem``, which pruning trusts), and, for the loops that issue wgmma (HGMMA), their length
+and the longest run of other instructions between two HGMMAs: integer work placed there delays the tensor
+cores. ``--sass DIR`` also writes each kernel's SASS. Run it with the Triton the GPU machine has for the numbers
+that matter there. A helper of ``tests/test_kernels_compile.py``, not a test module.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -30,8 +32,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel_lora.kernels import LAUNCH_MODULES, configs, dx_grads, gemm, rank_reduce, shrink, shrink_db, shrink_gemm  # noqa: E402
-from parallel_lora.kernels._interp import pad_rank  # noqa: E402
+import parallel_lora.kernels as kernels  # noqa: E402
+from parallel_lora.kernels import adapter_grads, dx_grads, gemm, launcher, shrink, shrink_db, shrink_gemm  # noqa: E402
+from parallel_lora.kernels.host import pad_rank  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may use on the H100 / H200
 TARGET = triton.backends.compiler.GPUTarget("cuda", 90, 32)
@@ -47,18 +50,18 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
     def capture(spec, kernel, signature, tensors, runtime, build):
         static, _grid, consts = build()
         captured.append((spec, kernel, (*tensors, *static, *runtime), consts))
-        return configs.Bound(spec.name, lambda *a: None, static, (), None, consts, None)
 
     def tma_rows(t: torch.Tensor) -> bool:  # gemm_tma.tma_rows without its device check
         row_stride, col_stride = t.stride()
         return t.dtype in (torch.float16, torch.bfloat16) and col_stride == 1 and row_stride % 8 == 0
 
-    for module in LAUNCH_MODULES:
-        module.launch = capture
+    launcher.bind = capture
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for name, value in (("tma_rows", tma_rows), ("sm_count", lambda index: sms)):
             if hasattr(module, name):
                 setattr(module, name, value)
-    rank_reduce._num_programs_target = lambda device: 2 * sms
+    adapter_grads._num_programs_target = lambda device: 2 * sms
 
     dt, s = torch.bfloat16, 2.0
     x, dy = torch.randn(M, K, dtype=dt), torch.randn(M, N, dtype=dt)
@@ -69,11 +72,14 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
         "gemm_y": lambda: gemm.lora_gemm(x, W.t(), None, S, B.t()),
         "gemm_dx": lambda: gemm.lora_gemm(dy, W, None, G, A),
         "gemm_dx_drop": lambda: gemm.lora_gemm(dy, W, None, G, A, lora_drop=True, **drop),
+        # Column-major x / dy: no TMA descriptor reads them, so these take the portable pointer kernel.
+        "gemm_y_ptr": lambda: gemm.lora_gemm(x.t().contiguous().t(), W.t(), None, S, B.t()),
+        "gemm_dx_drop_ptr": lambda: gemm.lora_gemm(dy.t().contiguous().t(), W, None, G, A, lora_drop=True, **drop),
         "shrink_S": lambda: shrink.lora_shrink(x, A.t(), s),
         "shrink_S_drop": lambda: shrink.lora_shrink(x, A.t(), s, drop_pre=True, **drop),
         "shrink_G": lambda: shrink.lora_shrink(dy, B, s),
-        "reduce": lambda: rank_reduce.lora_adapter_grads(x, G, dy, S),
-        "reduce_drop": lambda: rank_reduce.lora_adapter_grads(x, G, dy, S, drop_x=True, **drop),
+        "reduce": lambda: adapter_grads.lora_adapter_grads(x, G, dy, S),
+        "reduce_drop": lambda: adapter_grads.lora_adapter_grads(x, G, dy, S, drop_x=True, **drop),
         "shrink_gemm": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s),
         "shrink_gemm_drop": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s, drop_post=True,
                                                                  **drop),  # fmt: skip
@@ -114,8 +120,8 @@ def _tool(name: str) -> str:
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
     """``(registers per thread, local memory bytes per thread)`` of the cubin's kernel (``cuobjdump -res-usage``:
-    its ``STACK`` frame, where spilled registers go, plus any ``LOCAL`` arrays; a first version read ``LOCAL``
-    alone, which stays 0 with spills)."""
+    its ``STACK`` frame, where spilled registers go, plus any ``LOCAL`` arrays: ``LOCAL`` alone stays 0 with
+    spills)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

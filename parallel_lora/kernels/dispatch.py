@@ -1,4 +1,4 @@
-"""The fused Triton LoRA op on one device (one TP shard): checked entry points for forward and backward.
+"""The fused Triton LoRA op on one device (one TP shard): which launches a forward and a backward make.
 
 Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, see ``parallel_lora.dtypes``):
 
@@ -18,6 +18,9 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
 arguments. The oracle is ``parallel_lora.eager``.
+
+Each op call is keyed by its operands' layouts (``forward_key`` / ``backward_key``); a layout's first call
+checks the operands and fills one ``launcher.Site`` per launch, and later calls launch the bound kernels.
 """
 
 from __future__ import annotations
@@ -26,18 +29,21 @@ import math
 
 import torch
 
+from ..backend import interpreting
 from ..dropout import P_RANGE, Dropout, valid_p
-from ._interp import MAX_RANK, interpreting, pad_rank
-from .configs import Site
+from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
 from .gemm_tma import tma_compatible, tma_operand
-from .rank_reduce import lora_adapter_grads
+from .host import pad_rank
+from .launcher import Site
 from .shrink import lora_shrink
 from .shrink_db import lora_shrink_db, takes_db_partials
 from .shrink_gemm import MAX_FUSED_R_PAD, lora_shrink_gemm
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The largest rank: every kernel's fallback config fits ~100 KB of shared memory up to it, even in fp32.
+MAX_RANK = 256
 
 
 def _shape(t: torch.Tensor) -> list[int]:
@@ -142,8 +148,8 @@ def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask: tuple | None, *nee
 
 # (operand layouts, dropout mask_key, wanted grads) -> the op's launch sites, filled at the layout's first
 # call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
-# checked at every call) and launches its bound kernels without the wrappers' own per-call work: on the H200
-# machine that work cost more host time than the launch itself. One entry per layout, as in ``_BOUND``.
+# checked at every call) and launches its bound kernels without the launchers' own per-call work, which costs
+# more host time than the launch itself. One entry per layout, as in ``launcher._BOUND``.
 _FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
 _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
 
@@ -244,39 +250,24 @@ def backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
     (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
-    must be the forward's (same seed): the masks are regenerated, not stored."""
-    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    must be the forward's (same seed): the masks are regenerated, not stored. As in ``forward``, the operands are
+    checked at their layout's first call, scale and dropout at every call."""
     _check_scalars(scale, dropout)
-    _check_tensors(
-        {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
-        {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
-    )
-    return backward_unchecked(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx, needs_dA, needs_dB)
-
-
-def backward_unchecked(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    s_lora: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-    needs_dx: bool = True,
-    needs_dA: bool = True,
-    needs_dB: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``backward`` without its argument checks, for the autograd Function: its operands are the tensors the
-    checked ``forward`` saved, and autograd hands it ``dy`` in the output's shape, dtype and device. The
-    checks cost about as much host time as one kernel launch (they run on autograd's device thread)."""
     drop = _active(dropout)
     mode = None if drop is None else drop.position
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
-    key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask_key(drop), needs_dx, needs_dA, needs_dB)
+    try:
+        key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask_key(drop), needs_dx, needs_dA, needs_dB)
+    except AttributeError:  # not a tensor: the checks say which
+        key = None
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
+        M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+        _check_tensors(
+            {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
+            {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
+        )
         fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
         # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
         db_in_g = fused and needs_dB and not pre and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
@@ -298,19 +289,18 @@ def backward_unchecked(
             dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB and not db_in_g else None,
             lora_drop=pre, k_offset=k_offset, db_partials=pdb, db_parts=blocks, **_drop_kwargs(drop), site=sites[1],
         )  # fmt: skip
+    else:
+        # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
+        # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
+        if needs_dx:
+            dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
+                           site=sites[1])  # fmt: skip
+        if needs_dA or needs_dB:
+            dA, dB = lora_adapter_grads(
+                x if needs_dA else None, g if needs_dA else None,
+                dy if needs_dB else None, s_lora if needs_dB else None,
+                drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
+            )  # fmt: skip
+    if key is not None:  # stored once filled: another thread never reads a half-bound site
         _BACKWARD_SITES[key] = entry
-        return dx, dA, dB
-    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
-    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
-    if needs_dx:
-        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
-                       site=sites[1])  # fmt: skip
-    if needs_dA or needs_dB:
-        dA, dB = lora_adapter_grads(
-            x if needs_dA else None, g if needs_dA else None,
-            dy if needs_dB else None, s_lora if needs_dB else None,
-            drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
-        )  # fmt: skip
-    # Stored once filled: another thread never reads a half-bound site.
-    _BACKWARD_SITES[key] = entry
     return dx, dA, dB

@@ -1,0 +1,203 @@
+"""Both adapter gradients in one launch, as deterministic reductions over M:
+
+    out[F, r] = c * drop(feat)^T @ g        feat [M, F], g [M, r]
+
+    dA = G^T drop_pre(x)   [r, K]:   feat = x  [M, K], g = G [M, r], c = 1/(1-p) under "pre" (mask on x)
+    dB = dy^T S            [N, r]:   feat = dy [M, N], g = S [M, r], c = 1
+
+(dA is written through transposed output strides, so both land in their natural layout.) The grid's first
+axis covers the ``BLOCK_F`` column tiles of x, then those of dy; a program owns one tile and the whole padded
+rank, ``acc [R_PAD, BLOCK_F]`` (fp32), and walks one contiguous chunk of ``m_per_split`` rows in ``BLOCK_M``
+steps, ``acc += g_tile^T @ feat_tile`` (``blocks.reduce_item``): the big operand stays in its row-major layout,
+through a TMA descriptor where its rows allow (16-bit, Hopper), else through pointers. This form streams at
+about 2.5 TB/s on an H200 at M, F = 8192, 4096, twice the ``feat^T [F, M] @ g`` form.
+
+With one split a program stores its tile. With several, each stores an fp32 partial and bumps its tile's
+arrival counter; the last to arrive sums the partials in split order (a fixed order: bitwise reproducible, no
+atomics on the data), stores the tile and resets the counter for the next launch. So the whole reduction is
+one launch at any M; the host issues no sum and no cast (each cost 15-25 us of host time on autograd's device
+thread, more than the reduction itself at short M). The split count depends only on the shape (never on the
+tuned config), and every split length is a multiple of every config's ``BLOCK_M``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import interpreting
+from .blocks import reduce_item
+from .gemm_tma import tma_rows
+from .host import cdiv, dot_options, next_pow2, pad_rank, split_seed
+from .launcher import KernelSpec, Site, launch
+from .tuning import ATOMIC_SLOT, sm_count
+from .workspace import COUNTERS, PARTIALS, stream_buffer
+
+
+def reduce_configs() -> list[triton.Config]:
+    """(BLOCK_F, BLOCK_M, stages, warps) of the reductions ``[F, M] @ [M, r]``. Bandwidth-bound like the shrink:
+    the split over M (``split_rows``) supplies the programs."""
+    rows = [
+        (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+        (64, 64, 4, 4),
+        (64, 128, 3, 4),
+        (64, 128, 4, 4),
+        (128, 64, 3, 4),
+        (128, 64, 4, 8),
+        (128, 128, 3, 8),
+        (256, 64, 3, 8),
+    ]
+    return [triton.Config({"BLOCK_F": bf, "BLOCK_M": bm}, num_stages=s, num_warps=w) for bf, bm, s, w in rows]
+
+
+def reduce_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    return stages * cfg["BLOCK_M"] * (cfg["BLOCK_F"] + consts["R_PAD"]) * elem + ATOMIC_SLOT
+
+
+def reduce_fits(cfg: dict, nargs: dict) -> bool:
+    return cfg["BLOCK_F"] <= max(64, next_pow2(max(nargs["F_A"], nargs["F_B"])))
+
+
+# The largest BLOCK_M in ``reduce_configs`` (GPU) / the interpreter's BLOCK_M: a split of the M reduction
+# must be a whole number of M tiles for every config, so its length is a multiple of this.
+REDUCE_M_ALIGN_GPU = 128
+REDUCE_M_ALIGN_INTERP = 32
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "f_offset"])
+def _lora_adapter_grads_kernel(
+    # pointers: problem a (dA: x, G) and problem b (dB: dy, S), the partials and the arrival counters
+    fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+    # sizes (F_A = 0 or F_B = 0 skips that gradient)
+    M, F_A, F_B, R, m_per_split, num_splits,
+    # strides
+    stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    # runtime scalars (changing them never recompiles)
+    scale_a, p, seed_lo, seed_hi, f_offset,
+    # compile-time
+    DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    reduce_item(
+        tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+        M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf,
+        stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, scale_a, p,
+        seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+        None,
+    )  # fmt: skip
+
+
+SPEC = KernelSpec(
+    name="adapter_grads",
+    configs=reduce_configs,
+    key=("M", "F_A", "F_B", "R"),
+    smem=reduce_smem,
+    work=lambda n: n["M"] * (n["F_A"] + n["F_B"]) * n["R"],
+    fits=reduce_fits,
+    dtype_arg="fa_ptr",
+    interp={"BLOCK_F": 32, "BLOCK_M": 32},
+    descriptors=lambda consts: consts["A_TMA"] or consts["B_TMA"],
+)
+
+
+def _num_programs_target(device: torch.device) -> int:
+    if interpreting():
+        return 8  # small, so that test-sized problems exercise the multi-split path
+    return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None) -> tuple[int, int]:
+    """``(split, m_per_split)`` for the M reduction over ``F`` feature columns in all: enough programs to fill
+    the device when ``F / BLOCK_F`` alone would not, and no chunk over ``max_rows`` rows when given, each chunk
+    a multiple of ``BLOCK_M``. A function of the shape only, so repeated calls reduce in the same order
+    (bitwise reproducible)."""
+    align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
+    f_tiles = cdiv(F, 32 if interpreting() else 128)
+    split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
+    if max_rows is not None:
+        split = max(split, cdiv(M, max_rows))
+    m_per_split = cdiv(cdiv(M, split), align) * align
+    return cdiv(M, m_per_split), m_per_split
+
+
+def grad_problems(x, g, dy, s_lora) -> tuple:
+    """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
+    (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
+    gradient not wanted: ``(dA [r, K] | None, dB [N, r] | None, (feat_a, g_a, out_a), (feat_b, g_b, out_b))``
+    with fresh outputs. A problem not wanted borrows the other's tensors (the kernels give it no columns)."""
+    want_a, want_b = x is not None, dy is not None
+    feat_a, g_a = (x, g) if want_a else (dy, s_lora)
+    feat_b, g_b = (dy, s_lora) if want_b else (x, g)
+    R = g_a.shape[1]
+    dev, dtype = feat_a.device, feat_a.dtype
+    dA = torch.empty((R, feat_a.shape[1]), device=dev, dtype=dtype) if want_a else None
+    dB = torch.empty((feat_b.shape[1], R), device=dev, dtype=dtype) if want_b else None
+    return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
+
+
+def lora_adapter_grads(
+    x: torch.Tensor | None,
+    g: torch.Tensor | None,
+    dy: torch.Tensor | None,
+    s_lora: torch.Tensor | None,
+    *,
+    p: float = 0.0,
+    seed: int = 0,
+    f_offset: int = 0,
+    drop_x: bool = False,
+    site: Site | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
+    from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in the operands' (one) dtype. Pass ``None`` for
+    both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with ``drop_x`` (the "pre"
+    mask of x's columns shifted by ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked
+    by the caller, which passes a ``site`` bound to this operand layout (filled here at its first call)."""
+    want_a, want_b = x is not None, dy is not None
+    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora)
+    M, R = g_a.shape
+    F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
+    dev = feat_a.device
+    if M == 0 or F_A + F_B == 0:
+        return tuple(None if t is None else t.zero_() for t in (dA, dB))
+    if site is not None and site.bound is not None:
+        split, m_per_split, partials = site.info
+    else:
+        split, m_per_split = split_rows(M, F_A + F_B, dev)
+        partials = split * (F_A + F_B) * pad_rank(R)
+    if split > 1:
+        ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False)
+        count = stream_buffer(COUNTERS, dev, F_A + F_B, torch.int32, zeroed=True)
+    else:
+        ws, count = out_a, out_a  # never touched with one split
+    seed_lo, seed_hi = split_seed(seed)
+    tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
+    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset))
+    launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset,
+           info=(split, m_per_split, partials))  # fmt: skip
+    return dA, dB
+
+
+def _describe(tensors: tuple, want_a: bool, want_b: bool, split: int, m_per_split: int, drop_x: bool, f_offset: int):
+    """The launch of ``lora_adapter_grads`` for this layout."""
+    feat_a, g_a, out_a, feat_b, g_b, out_b, _, _ = tensors
+    M, R = g_a.shape
+    F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
+    r_pad = pad_rank(R)
+    drop_a = drop_x and want_a
+    odd = drop_a and f_offset % 2 == 1
+    a_tma = want_a and tma_rows(feat_a)
+    b_tma = want_b and tma_rows(feat_b)
+
+    def build():
+        static = (M, F_A, F_B, R, m_per_split, split, *feat_a.stride(), *g_a.stride(), out_a.stride(1),
+                  out_a.stride(0), *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
+        consts = {"DROP_A": drop_a, "ODD_OFFSET": odd, "A_TMA": a_tma, "B_TMA": b_tma, "R_PAD": r_pad,
+                  **dot_options(feat_a.dtype)}  # fmt: skip
+        return static, lambda meta: (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split), consts
+
+    # The outputs are fresh and contiguous, so their strides follow from the sizes.
+    signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(),
+                 feat_a.dtype, drop_a, odd, a_tma, b_tma, split > 1)  # fmt: skip
+    return SPEC, _lora_adapter_grads_kernel, signature, build

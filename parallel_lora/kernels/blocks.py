@@ -1,0 +1,368 @@
+"""The ``@triton.jit`` blocks that several kernels are built from (each kernel file holds its own kernel).
+
+    the persistent TMA GEMM             gemm_tma, dx_grads (``gemm_tiles``), shrink_gemm (its parts)
+        tile_coords     grouped tile order: ``GROUP_M`` row-blocks sweep the N tiles together (L2 reuse of w)
+        gemm_descriptors, rank_descriptors, tile_dot, k_loop, rank_term, store_tile, gemm_tiles
+    the shrink's rows                   shrink, shrink_gemm (its producers)
+        shrink_rows     ``c * drop_post(drop_pre(x_rows) @ U)``, an fp32 ``[BLOCK_M, R_PAD]`` tile
+    the M reductions                    adapter_grads, dx_grads (its spare programs), shrink_db (``finish_tile``)
+        reduce_tile     ``g^T @ drop(feat)`` over a range of rows, an fp32 ``[R_PAD, BLOCK_F]`` tile
+        finish_tile     store a tile, or its split's partial and, for the last arrival, the sum in split order
+        reduce_item     one (column tile, M split) item of the adapter gradients
+
+Every block accumulates in fp32; callers round once, at the store.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .dropout_mask import drop_tile
+
+# ---------------------------------------------------------------------------------------------------------
+# The persistent TMA GEMM.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: ``GROUP_M`` row-blocks of tiles share each sweep over the N tiles."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def tile_dot(
+    acc, a_desc, b_desc, pid_m, pid_n, off, B_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``acc + a[tile rows, off:off + step] @ b[off:off + step, tile columns]``, one step of a tile's reduction
+    through TMA descriptors: b's tile read as ``[BLOCK_N, step]`` and transposed (``B_T``), or as
+    ``[step, BLOCK_N]``."""
+    a = a_desc.load([pid_m * BLOCK_M, off])
+    if B_T:
+        b = b_desc.load([pid_n * BLOCK_N, off]).T
+    else:
+        b = b_desc.load([off, pid_n * BLOCK_N])
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def gemm_descriptors(
+    x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The TMA descriptors of x's ``[BLOCK_M, BLOCK_K]`` tiles, w's tiles (``[BLOCK_N, BLOCK_K]`` of W when
+    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's half-width ``[BLOCK_M, BLOCK_N // 2]`` tiles."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    if W_NK:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [K_RED, N_OUT], [stride_w, 1], [BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, N_OUT], [stride_om, 1], [BLOCK_M, BLOCK_N // 2])
+    return x_desc, w_desc, out_desc
+
+
+@triton.jit
+def rank_descriptors(
+    s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """The TMA descriptors of s's ``[BLOCK_M, BLOCK_R]`` tiles and f's: ``[BLOCK_N, BLOCK_R]`` tiles of ``f^T``
+    (``F_T``: B [N, r] for y) or ``[BLOCK_R, BLOCK_N]`` tiles of f (A [r, K] for dx). Columns past R read zeros."""
+    s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [stride_sm, 1], [BLOCK_M, BLOCK_R])
+    if F_T:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [N_OUT, R], [stride_fn, 1], [BLOCK_N, BLOCK_R])
+    else:
+        f_desc = tl.make_tensor_descriptor(f_ptr, [R, N_OUT], [stride_fr, 1], [BLOCK_R, BLOCK_N])
+    return s_desc, f_desc
+
+
+@triton.jit
+def k_loop(
+    acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``acc + x[tile rows, :] @ w[:, tile columns]``: the pipelined K loop of one output tile."""
+    for ki in range(k_tiles):
+        acc = tile_dot(acc, x_desc, w_desc, pid_m, pid_n, ki * BLOCK_K, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
+    return acc
+
+
+@triton.jit
+def rank_term(
+    acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
+    R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    S_CACHE: tl.constexpr,
+):  # fmt: skip
+    """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32, r in ``BLOCK_R`` chunks (unrolled; a chunk past R
+    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r. ``S_CACHE``:
+    the loads' cache modifier for s (".cg" reads s at L2, where another program of this launch wrote it)."""
+    m_in = offs_m < M
+    n_in = offs_n < N_OUT
+    rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
+    for r0 in tl.static_range(0, R_PAD, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_in = offs_r < R
+        s = tl.load(s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr, mask=m_in[:, None] & r_in[None, :],
+                    other=0.0, cache_modifier=S_CACHE)  # fmt: skip
+        f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
+                    mask=r_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            s = s.to(tl.float32)
+            f = f.to(tl.float32)
+        acc = tl.dot(s, f, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def store_tile(
+    acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Add the bias and store the tile through ``out_desc``, rounded once to ``out_ptr``'s dtype."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
+        acc += bias[None, :].to(tl.float32)
+    # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    left, right = tl.split(halves)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gemm_tiles(
+    x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
+    stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
+    keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
+    W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
+    RANK_TMA: tl.constexpr, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
+    persistent loop of one program: the TMA GEMM's (``gemm_tma``) and the backward's fused launch's (``dx_grads``).
+
+    With ``RANK_TMA`` (``rank_tma``; never with ``LORA_DROP``) the rank tiles come through TMA descriptors and
+    the tile and K loops are flattened into one software pipeline, so a tile's first loads are in flight while
+    the previous tile's rank term and store run (H100, 8192 x 4096 -> 4096: 4-7 us faster a GEMM). Otherwise
+    each tile's K loop starts on an empty pipeline."""
+    x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
+                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    if RANK_TMA:
+        s_desc, f_desc = rank_descriptors(s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T, BLOCK_M,
+                                          BLOCK_N, BLOCK_R)  # fmt: skip
+
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
+    k_tiles = tl.cdiv(K_RED, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+
+    # The epilogue takes its tile from its own counter: in the flattened pipeline the loop's coordinates
+    # may already be the next tile's, whose loads are issued ahead.
+    tile_out = first_tile - tile_step
+    for tile_id in tl.range(first_tile, num_tiles, tile_step, flatten=RANK_TMA):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LORA_DROP:
+            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
+            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
+            acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
+        acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        tile_out += tile_step
+        pid_m, pid_n = tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if RANK_TMA:
+            # The whole rank in one step (``rank_tma``: R_PAD == BLOCK_R); through descriptors, which is what
+            # lets the loops be flattened (with pointer loads here the flattened GEMM ran at 1.2x cuBLAS).
+            acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, 0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
+        elif not LORA_DROP:
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
+        store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
+                   BLOCK_N)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The shrink's rows.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def shrink_rows(
+    x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
+    k_offset, DROP_PRE: tl.constexpr, ODD_OFFSET: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, X_TMA: tl.constexpr,
+):  # fmt: skip
+    """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
+    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: the
+    "pre" mask's ``k_offset`` is odd (``dropout_mask.drop_tile``). ``X_TMA``: x's tiles through a TMA descriptor
+    (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as the fused forward's
+    producers read them. The masked pointer loads pipeline too once the strides specialize on 16, as on a GPU
+    launch; the standalone shrink through TMA was no faster (H200, 8192 x 4096)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, R_PAD)
+    m_in = offs_m < M
+    r_in = offs_r < R
+    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
+
+    if X_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_in = offs_k < K - k0
+        if X_TMA:
+            x = x_desc.load([row0, k0])
+        else:
+            x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
+        if DROP_PRE:
+            x = drop_tile(x, seed_lo, seed_hi, p, offs_m, k_offset + k0, ODD_OFFSET)
+        if UPCAST:
+            x = x.to(tl.float32)
+            u = u.to(tl.float32)
+        acc = tl.dot(x, u, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        u_ptrs += BLOCK_K * stride_uk
+
+    if DROP_POST:
+        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
+    return acc * out_scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The M reductions of the adapter gradients.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def reduce_tile(
+    feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
+    p, seed_lo, seed_hi, f_offset,
+    DROP_FEAT: tl.constexpr, ODD_OFFSET: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile; the M loop
+    in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: ``f_offset`` is odd."""
+    offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_r = tl.arange(0, R_PAD)
+    offs_mb = tl.arange(0, BLOCK_M)
+    f_in = offs_f < F
+    r_in = offs_r < R
+    if FEAT_TMA:
+        # Rows past M come back as zeros; a split ends on a BLOCK_M boundary, so no tile crosses into the
+        # next split.
+        feat_desc = tl.make_tensor_descriptor(feat_ptr, [M, F], [stride_fm, 1], [BLOCK_M, BLOCK_F])
+    acc = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
+    for m0 in tl.range(m_start, m_end, BLOCK_M, num_stages=STAGES):
+        offs_m = m0 + offs_mb
+        m_in = offs_m < m_end
+        rows64 = offs_m.to(tl.int64)  # M * stride can pass 2**31
+        if FEAT_TMA:
+            ft = feat_desc.load([m0, tile_f * BLOCK_F])
+        else:
+            ft = tl.load(
+                feat_ptr + rows64[:, None] * stride_fm + offs_f[None, :] * stride_ff,
+                mask=m_in[:, None] & f_in[None, :],
+                other=0.0,
+            )
+        gt = tl.load(
+            g_ptr + rows64[None, :] * stride_gm + offs_r[:, None] * stride_gr,
+            mask=r_in[:, None] & m_in[None, :],
+            other=0.0,
+        )
+        if DROP_FEAT:
+            ft = drop_tile(ft, seed_lo, seed_hi, p, offs_m, f_offset + tile_f * BLOCK_F, ODD_OFFSET)
+        if UPCAST:
+            ft = ft.to(tl.float32)
+            gt = gt.to(tl.float32)
+        acc = tl.dot(gt, ft, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def finish_tile(
+    acc, out_ptr, ws_ptr, count_ptr, tile, ws_col0, F, R, tile_f, pid_s, num_splits, stride_of, stride_or,
+    stride_ws, out_scale, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    """Store ``out_scale * sum over splits`` of this tile: directly with one split, else through the fp32
+    partials ``ws [split, F_A + F_B, R_PAD]`` (columns from ``ws_col0``) and the tile's arrival counter."""
+    offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_r = tl.arange(0, R_PAD)
+    mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    out_ptrs = out_ptr + offs_r[:, None] * stride_or + offs_f[None, :] * stride_of
+    if num_splits == 1:
+        tl.store(out_ptrs, (acc * out_scale).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = (ws_col0 + offs_f[None, :]) * R_PAD + offs_r[:, None]
+        tl.store(ws_ptr + pid_s * stride_ws + part, acc, mask=mask)
+        # Every thread's partial is written before one thread's release-ordered arrival; the last arrival's
+        # acquire orders the reads below after everyone's writes (.cg: read at L2, where they landed).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            total = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
+            for s in range(0, num_splits):
+                total += tl.load(ws_ptr + s * stride_ws + part, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total * out_scale).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def reduce_item(
+    tile, pid_s, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
+    M, F_A, F_B, R, m_per_split, num_splits,
+    stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
+    stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
+    scale_a, p, seed_lo, seed_hi, f_offset,
+    DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """One work item: column tile ``tile`` (of x's tiles, then dy's) over M split ``pid_s``, reduced and
+    finished (stored, or its partial added to the tile's split sum): an item per program in ``adapter_grads``,
+    items off a queue in the backward's fused launch (``dx_grads``)."""
+    m_start = pid_s * m_per_split
+    m_end = tl.minimum(m_start + m_per_split, M)
+    tiles_a = tl.cdiv(F_A, BLOCK_F)
+    if tile < tiles_a:
+        acc = reduce_tile(
+            fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
+            p, seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+            STAGES,
+        )  # fmt: skip
+        finish_tile(
+            acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
+            stride_ws, scale_a, R_PAD, BLOCK_F,
+        )  # fmt: skip
+    else:
+        tile_b = tile - tiles_a
+        acc = reduce_tile(
+            fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
+            p, seed_lo, seed_hi, 0, False, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+        )  # fmt: skip
+        finish_tile(
+            acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
+            stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
+        )  # fmt: skip

@@ -1,0 +1,171 @@
+"""How every kernel is launched: written once, here.
+
+Triton's own launch path binds and specializes every argument at each call, which costs more host time than
+the small kernels here run for. So a launch is bound once and then called directly:
+
+    launch(site, tensors, runtime, describe, *how)     the one entry of every launcher
+      site filled   -> site.bound.launch(tensors, runtime)              (the hit path: nothing else)
+      site empty    -> spec, kernel, signature, build = describe(*how)
+                       bind(spec, kernel, signature, tensors, runtime, build)
+                         signature bound before -> its Bound launches
+                         new signature          -> build(), the tuned config (``tuning``), Triton's launch path,
+                                                   then bind its compiled kernel at the grid
+                       fill the site
+
+A ``Site`` is one launch of the op (``dispatch``) for one operand layout; a signature is a launcher's summary of
+what its launch depends on but addresses and runtime scalars. Tests stub or record launches through ``bind``.
+Under the interpreter nothing is compiled: a Bound calls the kernel through Triton with ``KernelSpec.interp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from ..backend import interpreting
+from .tuning import launch_tuned
+from .workspace import ensure_allocator
+
+
+def _no_descriptors(consts: dict) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to launch and tune one kernel: its configs, autotune key, smem estimate and shape filter."""
+
+    name: str
+    configs: Callable[[], list[triton.Config]]
+    key: Sequence[str]  # autotune key, the token count "M" first
+    smem: Callable[[dict, int, int, dict], int]  # (config kwargs, stages, elem size, sizes + constexprs)
+    fits: Callable[[dict, dict], bool]
+    work: Callable[[dict], int]  # multiply-adds of the launch, from its size arguments
+    dtype_arg: str  # a tensor argument whose element size and device stand for all operands
+    interp: Mapping[str, int] = field(default_factory=dict, compare=False)  # the interpreter's one config
+    # From the call's constexprs: whether the kernel builds device-side TMA descriptors, whose memory Triton
+    # asks its allocator for at every launch (``workspace.ensure_allocator``).
+    descriptors: Callable[[dict], bool] = _no_descriptors
+
+    def __post_init__(self):
+        if self.key[0] != "M":
+            raise ValueError(f"{self.name}: the autotune key must start with the token count M, got {self.key}")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A kernel bound to one launch signature: its compiled kernel called at a fixed grid, the size and stride
+    arguments, and the constexpr tail (the call's constexprs and the tuned config). Under the interpreter,
+    ``run`` calls the kernel through Triton with the one interpreter config, and there is no compiled kernel."""
+
+    name: str  # the KernelSpec's name
+    run: Callable  # the compiled kernel's runner at this grid
+    static: tuple  # the sizes and strides, between the tensors and the runtime scalars
+    tail: tuple  # constexpr values, in the kernel's argument order after the runtime scalars
+    compiled: triton.compiler.CompiledKernel | None
+    consts: dict  # the call's constexprs
+    config: triton.Config | None  # the tuned config it was compiled with
+
+    def launch(self, tensors: tuple, runtime: tuple) -> None:
+        """Launch on new tensors of the bound layout (only their addresses are read) and runtime scalars."""
+        self.run(*tensors, *self.static, *runtime, *self.tail)
+
+
+class Site:
+    """One launch of the op (``dispatch``) for one operand layout: filled at the layout's first call (``bound``,
+    plus the launcher's own layout-derived choices in ``info``); later calls launch ``bound`` directly, skipping
+    its signature, its checks and the ``_BOUND`` lookup."""
+
+    __slots__ = ("bound", "info")
+
+    def __init__(self):
+        self.bound: Bound | None = None
+        self.info: tuple = ()
+
+
+def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable, *how, info: tuple = ()) -> None:
+    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)`` for one layout.
+
+    ``tensors`` are the pointer arguments (first in the kernel's signature), ``runtime`` the scalars it never
+    specializes on (floats and ``do_not_specialize`` ints: dropout p and seed, scale, offsets; last). A filled
+    ``site`` launches its Bound. Otherwise ``describe(*how) -> (spec, kernel, signature, build)`` says what to
+    launch (``bind``), and ``site`` keeps the Bound with ``info``, the launcher's choices that it needs before
+    this call (workspace sizes).
+    """
+    if site is not None:
+        bound = site.bound
+        if bound is not None:
+            bound.launch(tensors, runtime)
+            return
+    spec, kernel, signature, build = describe(*how)
+    bound = bind(spec, kernel, signature, tensors, runtime, build)
+    if site is not None:  # info first: another thread never reads a filled site without it
+        site.info, site.bound = info, bound
+
+
+# (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. One entry per exact shape: a new token
+# count costs one launch through Triton's path (its binary is shared by the Ms Triton specializes alike; its
+# config by the bucket). Two threads binding one signature at once store equal entries.
+_BOUND: dict[tuple, Bound] = {}
+
+
+def bound_key(spec: KernelSpec, kernel, signature: tuple, tensors: tuple) -> tuple:
+    """The ``_BOUND`` key of a launch on the current device."""
+    # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
+    return (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
+            tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
+
+
+def _with_allocator(run: Callable) -> Callable:
+    def run_with_allocator(*args):
+        ensure_allocator()
+        run(*args)
+
+    return run_with_allocator
+
+
+def bind(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> Bound:
+    """Launch ``kernel`` for ``signature`` and return the ``Bound`` that launches it again.
+
+    ``signature`` is the launcher's cheap summary of everything but addresses and runtime scalars (sizes,
+    strides, dtypes, constexpr flags): two calls with equal signatures must get equal ``build()`` results.
+    ``build() -> (static, grid, consts)`` gives the size and stride arguments, the grid (a function of the
+    config) and the call's constexprs; it runs at a signature's first launch only. On GPU that launch tunes
+    (per size bucket: ``tuning.launch_tuned``) and binds the compiled kernel; later ones call it directly.
+    """
+    if interpreting():
+        static, grid, consts = build()
+        cfg = spec.interp
+
+        def run(*args):
+            kernel[grid](*args, **consts, **cfg)
+
+        bound = Bound(spec.name, run, static, (), None, consts, None)
+        bound.launch(tensors, runtime)
+        return bound
+    key = bound_key(spec, kernel, signature, tensors)
+    bound = _BOUND.get(key)
+    if bound is not None:
+        bound.launch(tensors, runtime)
+        return bound
+    static, grid, consts = build()
+    descriptors = spec.descriptors(consts)
+    if descriptors:
+        ensure_allocator()
+    args = (*tensors, *static, *runtime)
+    compiled, cfg = launch_tuned(spec, kernel, grid, args, consts)
+    if not isinstance(compiled, triton.compiler.CompiledKernel):
+        # A Triton that hands back no compiled kernel: later calls of this Bound go through its own path.
+        run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
+        return Bound(spec.name, _with_allocator(run) if descriptors else run, static, (), None, consts, cfg)
+    meta = {**consts, **cfg.kwargs}
+    tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
+    g = grid(meta) if callable(grid) else grid
+    g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+    run = compiled[g]
+    bound = _BOUND[key] = Bound(spec.name, _with_allocator(run) if descriptors else run, static, tail, compiled,
+                                consts, cfg)  # fmt: skip
+    return bound

@@ -1,0 +1,150 @@
+"""Shared helpers of the ``tests/test_kernels_*.py`` files (the fused Triton LoRA op, ``parallel_lora.kernels``).
+
+Reference: ``parallel_lora.eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
+up exactly), with the same ``Dropout``. On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``conftest``), so the shapes are small; ``tests/test_kernels_gpu.py`` runs the real shapes on CUDA.
+
+Errors are measured elementwise against the magnitude of the terms each element sums,
+``|out - ref| <= tol * mag`` with ``mag`` the same oracle run on ``|inputs|`` (dropout masks and scales are
+non-negative, so ``mag`` is exactly ``sum |term|``): the standard floating-point bound for a sum of products,
+which stays meaningful when the terms cancel (a small ``ref`` from large terms).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from parallel_lora import eager
+from parallel_lora.dropout import Dropout
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not (INTERPRETING or HAS_CUDA):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by conftest without CUDA)", allow_module_level=True)
+
+from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
+from parallel_lora.kernels import launcher  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# dtype -> max of |out - ref| / mag (see the module docstring), with the reason.
+TOL = {
+    # fp32 accumulation (tl.dot runs "ieee", not tf32) and one fp32 rounding: ~1e-7 observed.
+    torch.float32: 1e-5,
+    # the output's fp16 rounding (2^-11) plus that of the saved S / G feeding the next product.
+    torch.float16: 2e-3,
+    # the same two bf16 roundings: 2^-9 each on GPU (round to nearest); the interpreter converts
+    # fp32 -> bf16 by truncation (up to 2^-7 each).
+    torch.bfloat16: 2e-2,
+}
+DTYPES = list(TOL)
+# GPU rounds fp32 -> bf16 to nearest (two roundings of 2^-9); fp32 sums up to 4096 terms.
+GPU_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+SCALE = 2.0  # alpha / r != 1, so a missing or doubled scale is visible
+
+DROPOUTS = {
+    "none": None,
+    # k_offset != 0: a row-parallel shard whose first input column is global column 5.
+    "pre": Dropout(p=0.3, seed=123_456_789_012, position="pre", k_offset=5),
+    # An even offset: each pair of columns is one hash word (an odd one is compiled apart, drop_tile's ODD).
+    "pre_even": Dropout(p=0.3, seed=2**50 + 1, position="pre", k_offset=96),
+    "post": Dropout(p=0.25, seed=77, position="post"),
+}
+
+# Every kernel spec's name (``KernelSpec.name``): what the op's launches can be.
+LAUNCH_NAMES = ("shrink", "gemm", "gemm_tma", "adapter_grads", "dx_grads", "shrink_gemm", "shrink_db")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> float:
+    """max |out - ref| / mag; an element whose terms are all zero must come out exactly zero."""
+    if ref.numel() == 0:
+        return 0.0
+    diff = (out.double() - ref).abs()
+    return (diff / mag.clamp_min(1e-300)).max().item()
+
+
+def assert_matches(name, out, ref, mag, dtype, tol=None) -> None:
+    assert out.dtype == dtype, f"{name}: dtype {out.dtype}, expected {dtype}"
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    err = rel_err(out, ref, mag)
+    tol = TOL[dtype] if tol is None else tol
+    assert err <= tol, f"{name}: error {err:.3e} of the terms' magnitude > {tol:.1e} ({dtype})"
+
+
+def skip_without_tma() -> None:
+    """Skip on a CUDA GPU older than Hopper, which has no TMA (the interpreter emulates it)."""
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("no TMA before Hopper")
+
+
+def make_inputs(M, K, N, r, dtype, bias=True, device=DEVICE):
+    """Unit-scale operands so the base and LoRA terms are the same size (neither hides the other)."""
+    x = torch.randn(M, K, device=device).to(dtype)
+    weight = (torch.randn(N, K, device=device) / max(K, 1) ** 0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype) if bias else None
+    lora_A = (torch.randn(r, K, device=device) / max(K, 1) ** 0.5).to(dtype)
+    lora_B = (torch.randn(N, r, device=device) / r**0.5).to(dtype)
+    dy = torch.randn(M, N, device=device).to(dtype)
+    return x, weight, b, lora_A, lora_B, dy
+
+
+def _f64(t, absolute=False):
+    if t is None:
+        return None
+    return t.double().abs() if absolute else t.double()
+
+
+def reference(x, weight, b, lora_A, lora_B, dy, scale, dropout, absolute=False):
+    """The eager oracle in fp64: ``(y, S, dx, dA, dB)``; with ``absolute``, the same on ``|inputs|``."""
+    args = [_f64(t, absolute) for t in (x, weight, b, lora_A, lora_B, dy)]
+    scale = abs(scale) if absolute else scale
+    x, weight, b, lora_A, lora_B, dy = args
+    y, s_lora = eager.forward(x, weight, b, lora_A, lora_B, scale, dropout)
+    dx, dA, dB = eager.backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout)
+    return y, s_lora, dx, dA, dB
+
+
+def check_against_eager(x, weight, b, lora_A, lora_B, dy, scale, dropout, tol=None):
+    dtype = x.dtype
+    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, scale, dropout)
+    dx, dA, dB = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout)
+    ref = reference(x, weight, b, lora_A, lora_B, dy, scale, dropout)
+    mag = reference(x, weight, b, lora_A, lora_B, dy, scale, dropout, absolute=True)
+    outs = (y, s_lora, dx, dA, dB)
+    for name, out, want, m in zip(("y", "S", "dx", "dA", "dB"), outs, ref, mag, strict=True):
+        assert_matches(name, out, want, m, dtype, tol)
+
+
+def count_launches(monkeypatch) -> list[str]:
+    """Record the kernel of every launch the LoRA kernels make (first launches of a layout and bound ones; on a
+    GPU a signature's very first launch goes through Triton's path and is not seen)."""
+    launched = []
+    real = launcher.Bound.launch
+
+    def spy(self, tensors, runtime):
+        launched.append(self.name)
+        return real(self, tensors, runtime)
+
+    monkeypatch.setattr(launcher.Bound, "launch", spy)
+    return launched
+
+
+def patch_bind(monkeypatch, fn) -> None:
+    """Route the first launch of every kernel signature (``launcher.bind``, the one seam) through ``fn``; a ``fn``
+    returning None leaves the op's launch sites empty, so every call reaches it."""
+    monkeypatch.setattr(launcher, "bind", fn)
+
+
+def clear_sites() -> None:
+    """Forget every op layout's launch sites: the next calls take the first-call path again."""
+    from parallel_lora.kernels import dispatch
+
+    dispatch._FORWARD_SITES.clear()
+    dispatch._BACKWARD_SITES.clear()

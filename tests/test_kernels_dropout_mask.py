@@ -1,0 +1,72 @@
+"""The dropout keep-mask as the kernels draw it (``parallel_lora.kernels.dropout_mask``).
+
+Reference: ``parallel_lora.dropout`` (``hash_uniform``, ``keep_mask``), bit for bit: the eager and the fused
+backends drop exactly the same elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernels import DEVICE
+
+from parallel_lora import kernels
+from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora.dropout import hash_uniform as torch_hash_uniform
+from parallel_lora.kernels.dropout_mask import hash_uniform as triton_hash_uniform
+
+SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows, cols, offset", [(45, 67, 1000), (33, 5, 0), (1, 97, 2**31 - 50)])
+def test_dropout_mask_hash_uniform_is_bit_exact_with_torch(seed, rows, cols, offset):
+    u = triton_hash_uniform(seed, rows, cols, offset, DEVICE)
+    m = torch.arange(rows, device=DEVICE).unsqueeze(1)
+    k = torch.arange(offset, offset + cols, device=DEVICE).unsqueeze(0)
+    ref = torch_hash_uniform(seed, m, k)
+    assert ref.shape == (rows, cols) and ref.dtype == torch.float32
+    assert torch.equal(u, ref)
+    assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**16, (u * 2**16).floor())
+
+
+@pytest.mark.parametrize("position,k_offset", [("pre", 0), ("pre", 37), ("post", 0), ("post", 37)])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("seed", [3, 2**33 + 5])
+def test_dropout_mask_equals_keep_mask(position, k_offset, p, seed):
+    drop = Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
+    mask = kernels.dropout_keep_mask(drop, 50, 70, DEVICE)
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, keep_mask(drop, 50, 70, DEVICE))
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.05
+
+
+def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
+    # The kernels test an integer threshold on each 16-bit half of the hash, not u >= p: at p equal to a drawn
+    # uniform u (a multiple of 2**-16) that element is kept, in either half of its word, and at p half a step
+    # above it (exact in fp32 below 0.5) it is dropped; at the largest p (1 - 2**-16) the shifted threshold must
+    # not overflow (only v = 2**16 - 1 is kept). Odd widths and offsets pair columns across tiles and words.
+    u = triton_hash_uniform(5, 64, 64, 0, DEVICE)
+    low = u[:, 0::2]
+    high = u[:, 1::2]
+    picks = [*low[low < 0.5][:2].tolist(), *high[high < 0.5][:2].tolist()]
+    for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16, 0.0):
+        for cols, offset in ((64, 0), (37, 5)):
+            mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
+            want = triton_hash_uniform(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
+            assert torch.equal(mask, want), (p, offset)
+            if p == picks[0]:
+                assert want.any() and not want.all()
+
+
+def test_dropout_mask_of_a_shard_is_a_slice_of_the_full_mask():
+    full = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
+    shard = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
+    assert torch.equal(shard, full[:, 48:])
+
+
+def test_dropout_mask_differs_between_seeds():
+    masks = [kernels.dropout_keep_mask(Dropout(p=0.5, seed=s), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
+    for i in range(len(masks)):
+        for j in range(i):
+            assert (masks[i] != masks[j]).float().mean() > 0.3

@@ -1,0 +1,186 @@
+"""The launch cache (``parallel_lora.kernels.launcher``) and the op's per-layout launch sites (``dispatch``).
+
+A signature's first launch binds its compiled kernel, grid and size/stride arguments (``launcher.bind``, the one
+seam these tests stub); an op layout's first call fills one site per launch, and later calls launch the bound
+kernels without the launchers' signatures or the checks. Reference: the first call's results, bit for bit, and
+the eager oracle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+from _kernels import (
+    DROPOUTS,
+    LAUNCH_NAMES,
+    SCALE,
+    assert_matches,
+    clear_sites,
+    make_inputs,
+    patch_bind,
+    reference,
+)
+
+from parallel_lora import kernels
+from parallel_lora.dropout import Dropout
+from parallel_lora.kernels import dispatch, launcher
+
+
+def test_launcher_specs_name_every_kernel():
+    # Every kernel file launches through ``launcher.launch``, whose first launches go through ``launcher.bind``:
+    # stubbing bind (the tests below, tests/compile_hopper.py) reaches every kernel. A kernel file with a spec of
+    # its own must be among LAUNCH_NAMES, which those tests expect to see launched.
+    specs = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"parallel_lora.kernels.{info.name}")
+        spec = getattr(module, "SPEC", None)
+        if spec is not None:
+            assert isinstance(spec, launcher.KernelSpec), module.__name__
+            specs[spec.name] = module
+            assert not hasattr(module, "bind"), f"{module.__name__} binds its kernel itself"
+    assert set(specs) == set(LAUNCH_NAMES)
+
+
+def _layouts(M, K, N, r, dtype, bias):
+    """One problem under several operand layouts: transposed storage (of all, of the adapters, of dy alone), and
+    rows shifted off 16-byte alignment."""
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, dtype, bias=bias)
+
+    def shifted(t):  # same values, storage one element further on: its address is no longer 16-byte aligned
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view_as(t)
+
+    return b, [
+        (x, weight, lora_A, lora_B, dy),
+        (x.t().contiguous().t(), weight.t().contiguous().t(), lora_A, lora_B, dy.t().contiguous().t()),
+        (x, weight, lora_A.t().contiguous().t(), lora_B.t().contiguous().t(), dy),
+        (x, weight, lora_A, lora_B, dy.t().contiguous().t()),
+        (shifted(x), weight, lora_A, lora_B, shifted(dy)),
+    ]
+
+
+def test_launcher_signature_fixes_every_argument_but_addresses_and_runtime_scalars(monkeypatch):
+    # On GPU a signature's first launch binds its compiled kernel, grid and size/stride arguments, and every
+    # later launch with an equal signature reuses them: two calls whose signatures match but whose build()
+    # differs would silently run with another call's strides. Record both over many operand layouts.
+    seen: dict[tuple, tuple] = {}
+
+    def record(spec, kernel, signature, tensors, runtime, build):
+        static, grid, consts = build()
+        meta = {**consts, **spec.interp}
+        aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        launch = (static, grid(meta), tuple(sorted(consts.items())), tuple(t.dtype for t in tensors))
+        assert seen.setdefault((spec.name, signature, aligned), launch) == launch, (spec.name, signature)
+
+    patch_bind(monkeypatch, record)
+    for M, K, N, r in [(40, 48, 56, 8), (41, 48, 56, 8), (40, 56, 48, 8), (40, 48, 56, 16), (1, 48, 56, 8)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for bias in (True, False):
+                b, layouts = _layouts(M, K, N, r, dtype, bias)
+                for xi, wi, ai, bi, dyi in layouts:
+                    for drop in DROPOUTS.values():
+                        _, s_lora = kernels.forward(xi, wi, b, ai, bi, SCALE, drop)
+                        for needs in ((True, True, True), (False, True, True), (True, False, False)):
+                            kernels.backward(dyi, xi, wi, ai, bi, s_lora, SCALE, drop, *needs)
+    assert {name for name, *_ in seen} == set(LAUNCH_NAMES)
+    assert len(seen) > 100
+
+
+def test_dispatch_layout_fixes_the_signature_of_every_launch(monkeypatch):
+    # kernels.forward / backward bind their launch sites to the op's key (every operand's layout, the dropout
+    # position, the wanted grads) and skip the wrappers' own signatures at later calls: two calls with equal
+    # keys whose wrappers would launch differently would run one with the other's strides. Record, per key,
+    # what the wrappers launch with the sites always empty.
+    launched: list[tuple] = []
+
+    def record(spec, kernel, signature, tensors, runtime, build):
+        launched.append((spec.name, signature, tuple(t.data_ptr() % 16 == 0 for t in tensors), build()[0]))
+
+    patch_bind(monkeypatch, record)
+    seen: dict[tuple, list] = {}
+
+    def check(key, op, *args):
+        clear_sites()
+        launched.clear()
+        out = op(*args)
+        assert seen.setdefault(key, list(launched)) == launched, key
+        return out
+
+    for M, K, N, r in [(40, 48, 56, 8), (41, 48, 56, 8), (40, 56, 48, 16), (1, 48, 56, 8)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for bias in (True, False):
+                b, layouts = _layouts(M, K, N, r, dtype, bias)
+                for x, weight, lora_A, lora_B, dy in layouts:
+                    for drop in DROPOUTS.values():
+                        mask = dispatch.mask_key(drop)
+                        key = dispatch.forward_key(x, weight, b, lora_A, lora_B, mask)
+                        _, s_lora = check(key, kernels.forward, x, weight, b, lora_A, lora_B, SCALE, drop)
+                        for needs in ((True, True, True), (False, True, True), (True, False, False)):
+                            key = dispatch.backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask, *needs)
+                            check(key, kernels.backward, dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, *needs)
+    names = {name for launches in seen.values() for name, *_ in launches}
+    assert names == set(LAUNCH_NAMES)
+    assert len(seen) > 100
+
+
+def test_dispatch_bound_sites_give_the_first_calls_results_bit_for_bit(monkeypatch):
+    # The second call of a layout launches the kernels bound at its first call (no wrapper signature, no
+    # checks); it must compute exactly what the first did, with new values in the same layout, and a new
+    # layout must not reuse another's sites.
+    clear_sites()
+    slow = []
+    real = launcher.bind
+
+    def spy(*args):
+        slow.append(args[0].name)
+        return real(*args)
+
+    patch_bind(monkeypatch, spy)
+    for dtype in (torch.float32, torch.bfloat16):
+        b, layouts = _layouts(37, 48, 40, 8, dtype, bias=True)
+        for x, weight, lora_A, lora_B, dy in layouts:
+            for drop in DROPOUTS.values():
+                first = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                first_bwd = kernels.backward(dy, x, weight, lora_A, lora_B, first[1], SCALE, drop)
+                slow.clear()
+                again = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                again_bwd = kernels.backward(dy, x, weight, lora_A, lora_B, again[1], SCALE, drop)
+                assert slow == [], "a layout seen before went through the launchers' first-launch path"
+                for a, c in zip((*first, *first_bwd), (*again, *again_bwd), strict=True):
+                    assert torch.equal(a, c)
+                # New values, same layout: bound sites, results of the new values.
+                with torch.no_grad():
+                    x.mul_(0.5)
+                y, _ = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
+                mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
+                assert_matches("y", y, ref[0], mag[0], dtype)
+                with torch.no_grad():
+                    x.mul_(2.0)
+
+
+def test_dispatch_bound_forward_still_checks_scale_and_dropout():
+    x, weight, b, lora_A, lora_B, _ = make_inputs(8, 16, 8, 4, torch.bfloat16)
+    kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    with pytest.raises(ValueError, match="scale must be a finite float"):
+        kernels.forward(x, weight, b, lora_A, lora_B, float("nan"), None)
+    with pytest.raises(ValueError, match="dropout must be a parallel_lora.dropout.Dropout"):
+        kernels.forward(x, weight, b, lora_A, lora_B, SCALE, 0.1)
+    with pytest.raises(ValueError, match="x must be a 2-D tensor"):
+        kernels.forward(None, weight, b, lora_A, lora_B, SCALE, None)
+
+
+def test_dispatch_bound_backward_still_checks_scale_and_dropout():
+    # The backward checks its operands at a layout's first call only (autograd hands it the checked forward's
+    # tensors); scale and dropout are not part of the layout and are checked at every call.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(8, 16, 8, 4, torch.bfloat16)
+    _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
+    with pytest.raises(ValueError, match="scale must be a finite float"):
+        kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, float("inf"), None)
+    with pytest.raises(ValueError, match="dropout.p must be in"):
+        kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, Dropout(p=1.0, seed=1))
+    with pytest.raises(ValueError, match="dy must have shape"):  # another layout: checked at its first call
+        kernels.backward(dy[:, :5], x, weight, lora_A, lora_B, s_lora, SCALE, None)

@@ -1,0 +1,145 @@
+"""Config choice (``parallel_lora.kernels.tuning`` and each kernel's configs): pruning by shared memory and
+size, the size buckets, the per-variant config cache, and the interleaved timing rounds.
+
+Every kernel keeps a config that fits a ~100 KB shared-memory GPU at every rank and dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from parallel_lora.kernels import gemm, launcher, shrink, tuning
+
+_SPECS = {
+    "gemm": ("parallel_lora.kernels.gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "gemm_tma": ("parallel_lora.kernels.gemm_tma", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "shrink": ("parallel_lora.kernels.shrink", {"M": 8192, "K": 4096}),
+    "adapter_grads": ("parallel_lora.kernels.adapter_grads", {"M": 8192, "F_A": 4096, "F_B": 4096}),
+    "dx_grads": ("parallel_lora.kernels.dx_grads", {"M": 8192, "N_OUT": 4096, "K_RED": 4096, "F_A": 4096, "F_B": 4096}),
+    "shrink_gemm": ("parallel_lora.kernels.shrink_gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
+    "shrink_db": ("parallel_lora.kernels.shrink_db", {"M": 8192, "N": 4096}),
+}
+
+
+def _consts(kernel, r_pad, monkeypatch) -> dict:
+    """The rank-derived constexprs a launch of ``kernel`` passes at this rank on a GPU."""
+    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64)}
+    if kernel == "dx_grads":
+        from parallel_lora.kernels import dx_grads
+
+        monkeypatch.setattr(dx_grads, "interpreting", lambda: False)
+        consts.update(zip(("RED_BLOCK_M", "RED_STAGES"), dx_grads.red_tiles(r_pad), strict=True))
+    if kernel == "shrink":
+        consts["DROP_PRE"] = True  # the larger estimate: the "pre"-masked x tile staged for the tensor cores
+    if kernel == "shrink_gemm":
+        from parallel_lora.kernels import shrink_gemm
+
+        consts["S_STAGES"] = shrink_gemm.S_STAGES
+    if kernel == "shrink_db":
+        from parallel_lora.kernels import shrink_db
+
+        monkeypatch.setattr(shrink_db, "interpreting", lambda: False)
+        consts["ROWS"] = shrink_db.db_rows()
+    return consts
+
+
+def _spec(kernel):
+    module, sizes = _SPECS[kernel]
+    return importlib.import_module(module).SPEC, sizes
+
+
+@pytest.mark.parametrize("smem_limit", [101_376, 232_448], ids=["100KB", "H200"])
+@pytest.mark.parametrize("r_pad", [16, 32, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", list(_SPECS))
+def test_tuning_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_pad, smem_limit):
+    from parallel_lora.kernels import shrink_db
+
+    if kernel in ("gemm_tma", "dx_grads", "shrink_gemm") and dtype == torch.float32:
+        pytest.skip("the TMA GEMM takes 16-bit operands only (fp32 goes to the pointer kernel)")
+    if kernel == "shrink_gemm" and r_pad > 64:
+        pytest.skip("ranks above 64 keep the separate shrink (shrink_gemm.MAX_FUSED_R_PAD)")
+    if kernel == "shrink_db" and (r_pad > shrink_db.MAX_DB_R_PAD or dtype == torch.float32):
+        pytest.skip("shrink_db runs before the fused dx launch (16-bit), at ranks up to shrink_db.MAX_DB_R_PAD")
+    spec, sizes = _spec(kernel)
+    consts = _consts(kernel, r_pad, monkeypatch)
+    nargs = {spec.dtype_arg: torch.empty(1, dtype=dtype), "R": r_pad, **sizes}
+    kept = tuning.prune(spec, spec.configs(), nargs, smem_limit=smem_limit, **consts)
+    assert kept
+    elem = torch.empty(0, dtype=dtype).element_size()
+    for c in kept:
+        assert spec.smem(c.kwargs, c.num_stages, elem, {**nargs, **consts}) <= smem_limit, c
+
+
+@pytest.mark.parametrize("kernel", list(_SPECS))
+def test_tuning_small_problems_take_one_config_large_ones_tune(monkeypatch, kernel):
+    spec, sizes = _spec(kernel)
+    consts = _consts(kernel, 16, monkeypatch)
+    large = {spec.dtype_arg: torch.empty(1, dtype=torch.bfloat16), "R": 16, **sizes}
+    small = {**large, **{name: 64 for name in sizes}}
+    assert len(tuning.prune(spec, spec.configs(), small, smem_limit=232_448, **consts)) == 1
+    assert len(tuning.prune(spec, spec.configs(), large, smem_limit=232_448, **consts)) > 1
+
+
+def test_tuning_buckets_the_token_count_and_keeps_the_layer_sizes():
+    # Autotuned configs and compiled kernels are shared by the Ms of one power-of-two bucket; K, N and r are
+    # a layer's own and stay exact.
+    spec, kernel = shrink.SPEC, shrink._lora_shrink_kernel
+
+    def sizes(M, K, R):
+        args = [0] * len(kernel.arg_names)
+        for name, v in (("M", M), ("K", K), ("R", R)):
+            args[kernel.arg_names.index(name)] = v
+        return tuning.bucketed_sizes(spec, kernel, tuple(args))
+
+    assert sizes(3000, 4096, 16) == sizes(2049, 4096, 16) == sizes(4096, 4096, 16) == (4096, 4096, 16)
+    assert sizes(4097, 4096, 16) == (8192, 4096, 16)
+    assert sizes(3000, 4095, 16) != sizes(3000, 4096, 16) and sizes(3000, 4096, 8) != sizes(3000, 4096, 16)
+    with pytest.raises(ValueError, match="start with the token count M"):
+        launcher.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
+
+
+def test_tuning_each_constexpr_variant_has_its_own_config():
+    # A dx GEMM with the "pre" mask (more registers) must not reuse the config tuned, and pruned for shared
+    # memory, for the plain dx GEMM of the same sizes (Triton's autotuner keyed its cache on sizes and dtypes
+    # only): the constexprs are part of the tuned config's key.
+    spec, kernel = gemm.SPEC, gemm._lora_gemm_kernel
+    args = [torch.empty(1, dtype=torch.bfloat16)] + [64] * (len(kernel.arg_names) - 1)
+    plain = {"HAS_BIAS": False, "LORA_DROP": False, "BLOCK_R": 16}
+    masked = {**plain, "LORA_DROP": True}
+    key = tuning.best_key(spec, kernel, tuple(args), plain)
+    assert tuning.best_key(spec, kernel, tuple(args), dict(plain)) == key
+    assert tuning.best_key(spec, kernel, tuple(args), masked) != key
+    half = [torch.empty(1, dtype=torch.float16)] + args[1:]
+    assert tuning.best_key(spec, kernel, tuple(half), plain) != key
+
+
+def test_tuning_inside_graph_capture_says_to_run_a_step_eagerly_first(monkeypatch):
+    # Timing candidates needs synchronization, which a capture forbids: a clear error, not a CUDA one.
+    spec, kernel = gemm.SPEC, gemm._lora_gemm_kernel
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    two = spec.configs()[:2]
+    monkeypatch.setattr(tuning, "prune", lambda *args, **kwargs: two)
+    args = (torch.empty(1, dtype=torch.bfloat16),) + (64,) * (len(kernel.arg_names) - 1)
+    with pytest.raises(RuntimeError, match="cannot happen inside CUDA graph capture. Run one step eagerly"):
+        tuning.tune(spec, kernel, (1,), args, {})
+    monkeypatch.setattr(tuning, "prune", lambda *args, **kwargs: two[:1])
+    assert tuning.tune(spec, kernel, (1,), args, {}) is two[0], "one candidate needs no timing"
+
+
+def test_tuning_takes_the_lowest_median_over_rounds_led_by_each_candidate():
+    # Candidate 1 is the fastest but for one slow round; candidate 2 is fast once (timed first on a cool GPU).
+    samples = {0: [10.0] * 5, 1: [5.0, 5.0, 50.0, 5.0, 5.0], 2: [1.0, 9.0, 9.0, 9.0, 9.0]}
+    order = []
+
+    def time_one(i):
+        order.append(i)
+        return samples[i][sum(o == i for o in order) - 1]
+
+    assert tuning.fastest(3, time_one, rounds=5) == 1
+    assert [order[3 * k] for k in range(5)] == [0, 1, 2, 0, 1], "each round must start at another candidate"
+    assert sorted(order) == [0] * 5 + [1] * 5 + [2] * 5
+    assert tuning.fastest(2, lambda i: 1.0, rounds=3) == 0, "ties go to the first (listed) candidate"
