@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 TRAIN = ["tqdm", "matplotlib"]  # launch/train.py's progress bar and loss plot
-HF = ["transformers>=4.51", "tokenizers"]  # parallel_lora.hf: Hugging Face checkpoints and their TP plans
+HF = ["transformers>=4.56", "tokenizers"]  # parallel_lora.hf: Hugging Face checkpoints and their TP plans
 TEST = ["pytest>=8", "numpy", "peft>=0.13"]
 
 setup(
