@@ -6,23 +6,30 @@ Adapter files (``save_adapter`` / ``load_adapter``): a directory with
   ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``;
 - ``adapter_config.json``: PEFT's ``LoraConfig`` fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
 
-Every file is written to a temporary name in the same directory and renamed into place, so a crash never
-leaves a torn file; tensors are written before the config that describes them.
+The directory changes as a whole (``parallel_lora.files.replace_directory``): both files are written into a
+fresh sibling directory, synced, and swapped into place, so a reader or a crash sees the previous pair or the new
+one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data and
+the config fields that set the adapters' scale; ``load_adapter`` checks both (a file without the record, PEFT's,
+loads unchecked).
 
 Training state (``save_checkpoint`` / ``load_checkpoint``): ``torch.distributed.checkpoint`` (sharded,
 reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states, in
 ``<dir>/step_<N>``. The directory is written under a ``.tmp`` name and renamed once every rank has
 finished, so an interrupted save is never picked up as the latest.
+
+Every call that communicates (``save_adapter`` and ``load_checkpoint`` / ``save_checkpoint`` in a process
+group) must be made by every rank. When one of its collectives fails or times out (a rank that did not call
+it, or died), it raises ``RuntimeError`` saying so rather than a backend's bare timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
-from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +38,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .files import replace_directory
 from .layers import lora_modules
+from .peft_format import (
+    check_plain_lora,
+    check_saved_with,
+    peft_config,
+    peft_key,
+    peft_rank_alpha,
+    read_record,
+    serialize,
+)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."
 _FACTORS = ("lora_A", "lora_B")
 
 
@@ -43,24 +59,43 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)`` then fsync and rename over ``path``: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+_COMM_ERROR = re.compile(r"timed out|connection (closed|reset) by peer|broken pipe|gloo|nccl", re.IGNORECASE)
+
+
+def is_collective_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a collective that failed or timed out: a process
+    group backend's error, or its message (gloo's "Timed out waiting ...", "Connection closed by peer")."""
+    while exc is not None:
+        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and _COMM_ERROR.search(str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """Re-raise a failed or timed-out collective inside as a ``RuntimeError`` that says every rank must call
+    ``what``: the usual cause is a call on rank 0 only (Hugging Face's ``save_pretrained`` habit)."""
     try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        yield
+    except Exception as e:
+        if not is_collective_failure(e):
+            raise
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it, and a collective inside it failed ({cause}). Call it "
+            f"on every rank of the process group, not only on rank 0; if every rank did, another rank died or hangs."
+        ) from e
+
+
+def _barrier(what: str) -> None:
+    if _distributed():
+        with _collective(what):
+            dist.barrier()
 
 
 # Path components that wrappers insert without changing what the model computes: torch.compile's
@@ -70,7 +105,9 @@ _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modu
 
 
 def _unwrapped_name(model: nn.Module, name: str) -> str:
-    """``name`` as the unwrapped model spells it, the path PEFT's keys use."""
+    """``name`` as the unwrapped model spells it, the path PEFT's keys use (``""`` for the model itself)."""
+    if not name:
+        return ""
     kept, module = [], model
     for part in name.split("."):
         ddp = isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
@@ -82,7 +119,8 @@ def _unwrapped_name(model: nn.Module, name: str) -> str:
 
 def _adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every LoRA layer of ``model`` by its unwrapped name (adapter files are keyed by the model's own paths,
-    whatever compile, checkpoint or DDP wrappers the training run put around its parts)."""
+    whatever compile, checkpoint or DDP wrappers the training run put around its parts). A bare LoRA layer is
+    its own one module, named ``""``."""
     modules = [(_unwrapped_name(model, name), m) for name, m in lora_modules(model)]
     if not modules:
         raise ValueError("the model has no LoRA layers (run apply_lora or build it from parallel_lora layers)")
@@ -93,140 +131,99 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def peft_config(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
-    """The ``adapter_config.json`` contents PEFT writes for these adapters (``_adapter_modules`` of a model).
-
-    Layers may differ in ``r`` and ``alpha`` (``apply_lora`` called with several configs): the most common pair
-    is the file's ``r`` / ``lora_alpha``, and every other layer gets a ``rank_pattern`` / ``alpha_pattern``
-    entry keyed by its whole path (escaped, since PEFT reads keys as regular expressions). PEFT has no
-    per-module dropout or rsLoRA, so those must agree across layers."""
-    shared = {(m.config.dropout, m.config.use_rslora) for _, m in modules}
-    if len(shared) != 1:
-        raise ValueError(
-            "save_adapter: PEFT's format has one lora_dropout and use_rslora for all layers; the model's layers "
-            f"have (dropout, use_rslora) in {sorted(shared)}"
-        )
-    (dropout, use_rslora), = shared
-    (r, alpha), _ = Counter((m.config.r, m.config.alpha) for _, m in modules).most_common(1)[0]
-    return {
-        "peft_type": "LORA",
-        "task_type": None,
-        "base_model_name_or_path": None,
-        "revision": None,
-        "r": r,
-        "lora_alpha": alpha,
-        "lora_dropout": dropout,
-        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _ in modules}),
-        "exclude_modules": None,
-        "bias": "none",
-        "use_rslora": use_rslora,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {re.escape(name): m.config.r for name, m in modules if m.config.r != r},
-        "alpha_pattern": {re.escape(name): m.config.alpha for name, m in modules if m.config.alpha != alpha},
-    }
-
-
 def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write the adapters of ``model`` (single-device or tensor-parallel) to the directory ``path``.
+    """Write the adapters of ``model`` to the directory ``path``, replacing it as a whole.
 
-    Collective under TP: every rank must call it (each gathers its shards); rank 0 writes.
+    ``model``: a model with LoRA layers (single-device or tensor-parallel), or one bare LoRA layer (keys
+    ``base_model.model.lora_A.weight`` / ``lora_B.weight``). Collective in a process group: every rank must call
+    it (each gathers its shards of the full tensors; rank 0 writes, then tells every rank how it went). A failed
+    or timed-out collective raises ``RuntimeError`` saying so. ``path`` must not hold files other than an
+    adapter's (``ValueError``): the directory is replaced whole.
     """
-    from safetensors.torch import save_file
-
+    out = Path(path)
     modules = _adapter_modules(model)
     config = peft_config(modules)
+    if out.exists():
+        _check_adapter_only(out)
     tensors = {}
-    for name, m in modules:
-        for factor in _FACTORS:
-            full = _full(getattr(m, factor).weight.detach())
-            tensors[f"{_PEFT_PREFIX}{name}.{factor}.weight"] = full.cpu().contiguous()
+    with _collective("save_adapter"):
+        for name, m in modules:
+            for factor in _FACTORS:
+                tensors[peft_key(name, factor)] = _full(getattr(m, factor).weight.detach()).cpu().contiguous()
+    error = None
     if _rank() == 0:
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        _atomic_write(out / ADAPTER_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
-    _barrier()
+        try:
+            files = {ADAPTER_WEIGHTS: serialize(tensors, config),
+                     ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+            replace_directory(out, files, keep=("README.md",))
+        except Exception as e:
+            error = e
+    if _distributed():
+        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        with _collective("save_adapter"):
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None and error is None:
+            raise RuntimeError(f"save_adapter: rank 0 could not write {out}: {outcome[0]}")
+    if error is not None:
+        raise error
 
 
-# PEFT ``LoraConfig`` fields that make an adapter compute something other than ``s * B A x`` on a plain linear
-# layer (LoRA variants, extra trained tensors, other modules), with the value that leaves the math alone.
-_PEFT_PLAIN = {
-    "use_dora": False,
-    "lora_bias": False,
-    "bias": "none",
-    "modules_to_save": None,
-    "trainable_token_indices": None,
-    "target_parameters": None,
-    "layer_replication": None,
-    "alora_invocation_tokens": None,
-    "use_qalora": False,
-    "use_bdlora": None,
-    "kasa_config": None,
-    "monteclora_config": None,
-    "arrow_config": None,
-}
-
-
-def _check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
-    """Refuse a PEFT config that turns on what ``LoRALinear`` does not compute (DoRA, aLoRA, a LoRA bias...)."""
-    found = {k: file_config[k] for k, plain in _PEFT_PLAIN.items() if file_config.get(k) and file_config[k] != plain}
-    if found:
+def _check_adapter_only(out: Path) -> None:
+    if not out.is_dir():
+        raise ValueError(f"save_adapter: {out} exists and is not a directory")
+    others = sorted(p.name for p in out.iterdir() if p.name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG, "README.md"))
+    if others:
         raise ValueError(
-            f"load_adapter: {config_path} uses PEFT features parallel_lora does not implement: {found} "
-            f"(plain LoRA needs {({k: _PEFT_PLAIN[k] for k in found})})"
+            f"save_adapter: {out} holds {others[:5]} besides an adapter; save_adapter replaces the directory as a "
+            f"whole, so give the adapter a directory of its own (e.g. {out / 'adapter'})"
         )
-
-
-def _peft_rank_alpha(file_config: dict[str, Any], name: str) -> tuple[Any, Any, str]:
-    """``(r, lora_alpha, where from)`` that PEFT gives module ``name``: the file's ``r`` / ``lora_alpha``, unless a
-    ``rank_pattern`` / ``alpha_pattern`` key matches the end of its path (the first that does, as PEFT's
-    ``get_pattern_key``)."""
-    r, alpha, source = file_config.get("r"), file_config.get("lora_alpha"), ""
-    for field in ("rank_pattern", "alpha_pattern"):
-        pattern = file_config.get(field) or {}
-        key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", name)), None)
-        if key is not None:
-            r, alpha = (pattern[key], alpha) if field == "rank_pattern" else (r, pattern[key])
-            source += f" ({field}[{key!r}])"
-    return r, alpha, source
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load adapters saved by ``save_adapter`` or by PEFT into ``model``, at any TP size.
+    """Load adapters saved by ``save_adapter`` or by PEFT into ``model`` (or into one bare LoRA layer), at any TP
+    size.
 
-    Checks ``r``, ``lora_alpha``, the key set and every shape before touching the model: on any mismatch
-    or an unreadable/truncated file it raises ``ValueError`` naming the key and shapes, and the model is
-    unchanged. Every rank reads the file and keeps its own shard (no communication).
+    Checks, before touching the model: that no adapter is merged (``unmerge_lora()`` first), the tensors'
+    checksum and that the config is the one saved with them (files ``save_adapter`` wrote), ``r``,
+    ``lora_alpha``, the key set and every shape. On any mismatch or an unreadable/truncated file it raises
+    ``ValueError`` naming the file, key or shapes, and the model is unchanged. Every rank reads the file and
+    keeps its own shard (no communication).
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
+    modules = _adapter_modules(model)
+    merged = [name or type(m).__name__ for name, m in modules if m.merged]
+    if merged:
+        raise ValueError(
+            f"load_adapter: the model's adapters are merged into its weights ({merged[:4]}); loading would leave "
+            "the merged update in effect. unmerge_lora() first, then load (and merge_lora() again if wanted)"
+        )
     folder = Path(path)
     weights_path, config_path = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
     for p in (weights_path, config_path):
         if not p.is_file():
-            raise ValueError(f"load_adapter: {p} does not exist")
+            # Where the directory swap is two renames, a crash between them leaves the previous one beside it.
+            left = sorted(folder.parent.glob(f".{folder.name}.old-*")) if not folder.exists() else []
+            note = f" (an interrupted save_adapter left the previous adapter at {left[-1]})" if left else ""
+            raise ValueError(f"load_adapter: {p} does not exist{note}")
     try:
         file_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"load_adapter: {config_path} is not valid JSON ({e})") from e
+    blob = weights_path.read_bytes()
     try:
-        tensors = load_file(str(weights_path))
+        tensors = load(blob)
+        header = json.loads(bytes(memoryview(blob)[8 : 8 + int.from_bytes(blob[:8], "little")]))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
+    saved_with = read_record(header.get("__metadata__") or {}, blob, weights_path)
 
-    modules = _adapter_modules(model)
     if file_config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"load_adapter: {config_path} has peft_type={file_config.get('peft_type')!r}, expected 'LORA'")
-    _check_plain_lora(file_config, config_path)
+    check_plain_lora(file_config, config_path)
     for name, m in modules:
-        r, alpha, source = _peft_rank_alpha(file_config, name)
+        r, alpha, source = peft_rank_alpha(file_config, name)
         if r != m.config.r or alpha is None or float(alpha) != float(m.config.alpha):
             raise ValueError(
                 f"load_adapter: {config_path} gives module '{name}' r={r}, lora_alpha={alpha}{source}; "
@@ -237,6 +234,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                 f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, module '{name}' has "
                 f"{m.config.use_rslora}"
             )
+    if saved_with is not None:
+        check_saved_with(saved_with, file_config, [name for name, _ in modules], config_path)
 
     # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
     normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}
@@ -245,10 +244,13 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     for name, m in modules:
         shapes = {"lora_A": (m.config.r, m.in_features), "lora_B": (m.out_features, m.config.r)}
         for factor in _FACTORS:
-            key = f"{_PEFT_PREFIX}{name}.{factor}.weight"
+            key = peft_key(name, factor)
             expected.add(key)
             if key not in normalized:
-                raise ValueError(f"load_adapter: {weights_path} has no tensor '{key}' (model module '{name}')")
+                raise ValueError(
+                    f"load_adapter: {weights_path} has no tensor '{key}' (model module '{name}'; a bare layer's "
+                    "file has the keys base_model.model.lora_A.weight / lora_B.weight, a model's their module paths)"
+                )
             t = normalized[key]
             if tuple(t.shape) != shapes[factor]:
                 raise ValueError(
@@ -302,9 +304,11 @@ def _rng_state() -> dict[str, Any]:
 def save_checkpoint(
     root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict | None = None
 ) -> Path:
-    """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``; collective.
+    """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``.
 
-    Written to ``step_<step>.tmp`` first, marked complete, and renamed by rank 0 after a barrier.
+    Collective in a process group: every rank must call it (a failed or timed-out collective raises
+    ``RuntimeError`` saying so). Written to ``step_<step>.tmp`` first, marked complete, and renamed by rank 0
+    after a barrier.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -313,24 +317,54 @@ def save_checkpoint(
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier("save_checkpoint")
     model_state, optim_state = _trainable_state(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    with _collective("save_checkpoint"):
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier()
+    _barrier("save_checkpoint")
     if _rank() == 0:
         meta = {"step": step, "extra": extra or {}}
         (tmp / "meta.json").write_text(json.dumps(meta))
         (tmp / ".complete").write_text("")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the commit point: a step_<N> directory is always complete
-    _barrier()
+    _barrier("save_checkpoint")
     return final
+
+
+def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
+    """Refuse, in one paragraph, a checkpoint whose adapters do not fit the model's (another LoRA rank, other
+    target modules, another model), before ``dcp.load`` would fail with one error per tensor."""
+    problems = []
+    for key, t in model_state.items():
+        if key.endswith("_extra_state"):
+            continue
+        meta = saved.get(f"model.{key}")
+        if meta is None:
+            problems.append(f"'{key}' is not in the checkpoint")
+        elif hasattr(meta, "size") and tuple(meta.size) != tuple(t.shape):
+            problems.append(f"'{key}' is {list(meta.size)} in the checkpoint and {list(t.shape)} in the model")
+    lacking = sorted(k[len("model."):] for k in saved if k.startswith("model.") and not k.endswith("_extra_state")
+                     and k[len("model."):] not in model_state)
+    if lacking:
+        problems.append(f"the checkpoint has {len(lacking)} tensors the model lacks, e.g. '{lacking[0]}'")
+    if problems:
+        raise ValueError(
+            f"load_checkpoint: {path} does not fit this model ({len(problems)} mismatches): "
+            f"{'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}. It was saved from adapters of "
+            "another shape (another LoRA rank, other target modules or another model); nothing was loaded."
+        )
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore a ``save_checkpoint`` directory (resharding to the current TP layout); returns its metadata
-    ``{"step": ..., "extra": ...}``. RNG states are restored when this rank saved one."""
+    ``{"step": ..., "extra": ...}``. RNG states are restored when this rank saved one.
+
+    Collective in a process group: every rank must call it (a failed or timed-out collective raises
+    ``RuntimeError`` saying so). A checkpoint whose adapter shapes or names differ from the model's raises
+    ``ValueError`` listing the first mismatches, before anything is loaded.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -340,9 +374,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     model_state, optim_state = _trainable_state(model, optimizer)
     # A checkpoint of single-device LoRALinears has no dropout stream for the parallel layers: they keep theirs.
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_fits(path, saved, model_state)
     model_state = {k: v for k, v in model_state.items() if not k.endswith("_extra_state") or f"model.{k}" in saved}
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    with _collective("load_checkpoint"):
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
         options=StateDictOptions(ignore_frozen_params=True, strict=False),

@@ -7,6 +7,8 @@ is in ``test_checkpoint_parallel.py``.
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from parallel_lora import (
     LoRAConfig,
+    LoRALinear,
     apply_lora,
     latest_checkpoint,
     load_adapter,
     load_checkpoint,
+    merge_lora,
     save_adapter,
     save_checkpoint,
 )
@@ -272,24 +276,148 @@ def test_bad_file_is_refused_and_model_left_unchanged(tmp_path, corrupt, message
         assert torch.equal(model.state_dict()[k], v), f"{k} changed by a failed load"
 
 
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p != path)
+
+
 def test_a_failed_save_leaves_the_previous_adapter_intact(tmp_path, monkeypatch):
     base = _base()
-    first = _adapted(base, seed=1)
-    save_adapter(first, tmp_path)
-    good = (tmp_path / ADAPTER_WEIGHTS).read_bytes()
+    out = tmp_path / "adapter"
+    save_adapter(_adapted(base, seed=1), out)
+    good = (out / ADAPTER_WEIGHTS).read_bytes()
 
     import safetensors.torch
 
-    def crash(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"half a file")
+    def crash(*args, **kwargs):
         raise RuntimeError("disk full")
 
+    monkeypatch.setattr(safetensors.torch, "save", crash)
     monkeypatch.setattr(safetensors.torch, "save_file", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        save_adapter(_adapted(base, seed=2), tmp_path)
-    assert (tmp_path / ADAPTER_WEIGHTS).read_bytes() == good
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+        save_adapter(_adapted(base, seed=2), out)
+    assert (out / ADAPTER_WEIGHTS).read_bytes() == good
+    assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+    assert _siblings(out) == []  # no temporary directory left beside it
+
+
+def _contents(folder: Path) -> tuple[list[str], bytes, dict[str, bytes]]:
+    """File names, config bytes, and each tensor's bytes (safetensors may order header metadata differently)."""
+    tensors = load_file(folder / ADAPTER_WEIGHTS)
+    return (sorted(p.name for p in folder.iterdir()), (folder / ADAPTER_CONFIG).read_bytes(),
+            {k: v.numpy().tobytes() for k, v in tensors.items()})
+
+
+@pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5])
+def test_an_adapter_directory_changes_as_a_whole(tmp_path, monkeypatch, crash_at):
+    # The second save has other tensors and another alpha (same shapes): a mixed pair would load at the wrong
+    # scale. Interrupt it at its n-th fsync, whatever the writer does in between: the directory must then hold
+    # the first pair or the second, never one file of each.
+    base = _base()
+    out = tmp_path / "adapter"
+    first, second = _adapted(base, alpha=8, seed=1), _adapted(base, alpha=16, seed=2)
+    save_adapter(first, out)
+    old = _contents(out)
+    save_adapter(second, tmp_path / "reference")
+    new = _contents(tmp_path / "reference")
+    calls = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == crash_at:
+            raise OSError("interrupted")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        save_adapter(second, out)
+    except OSError:
+        pass
+    monkeypatch.undo()
+    now = _contents(out)
+    assert now in (old, new), f"crash at fsync {crash_at}: a mixed or torn directory"
+    loaded = _adapted(base, alpha=8 if now == old else 16, seed=3)
+    load_adapter(loaded, out)
+    want = _adapter_state(first if now == old else second)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in want.items())
+    assert _siblings(out) == ["reference"]  # no temporary directory left beside it
+
+
+def _flip_a_tensor_byte(weights: Path) -> None:
+    data = bytearray(weights.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + 5] ^= 0x10  # inside the first tensor's values
+    weights.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_the_tensor_data_is_refused_naming_the_file(tmp_path):
+    base = _base()
+    save_adapter(_adapted(base, seed=1), tmp_path)
+    _flip_a_tensor_byte(tmp_path / ADAPTER_WEIGHTS)
+    model = _adapted(base, seed=2)
+    before = _adapter_state(model)
+    with pytest.raises(ValueError, match=rf"{ADAPTER_WEIGHTS}.*checksum"):
+        load_adapter(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_pair_mixed_by_hand_is_refused(tmp_path):
+    # Same shapes, another alpha: only the record of what the tensors were saved with can tell.
+    base = _base()
+    save_adapter(_adapted(base, alpha=8, seed=1), tmp_path / "a")
+    save_adapter(_adapted(base, alpha=16, seed=2), tmp_path / "b")
+    (tmp_path / "a" / ADAPTER_WEIGHTS).write_bytes((tmp_path / "b" / ADAPTER_WEIGHTS).read_bytes())
+    model = _adapted(base, alpha=8, seed=3)
+    with pytest.raises(ValueError, match=r"not the config these tensors were saved with.*lora_alpha=8.*lora_alpha=16"):
+        load_adapter(model, tmp_path / "a")
+
+
+def test_peft_loads_our_adapter_without_a_warning(tmp_path):
+    peft = pytest.importorskip("peft")
+    import warnings
+
+    save_adapter(_adapted(_base()), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = peft.PeftConfig.from_pretrained(tmp_path)
+    assert (config.r, config.lora_alpha) == (4, 8)
+
+
+def test_save_adapter_refuses_a_directory_holding_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"notes.txt"):
+        save_adapter(_adapted(_base()), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_load_adapter_refuses_a_merged_model_and_leaves_it_unchanged(tmp_path):
+    base = _base()
+    save_adapter(_adapted(base, seed=1), tmp_path)
+    model = _adapted(base, seed=2).eval()
+    merge_lora(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"merged.*unmerge_lora\(\) first"):
+        load_adapter(model, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(m.merged for m in model.modules() if isinstance(m, LoRALinear))
+
+
+def test_a_bare_layer_saves_under_its_own_keys_and_loads_back(tmp_path):
+    config = LoRAConfig(r=4, alpha=8)
+    torch.manual_seed(0)
+    layer = LoRALinear(12, 20, config)
+    nn.init.normal_(layer.lora_B.weight)
+    save_adapter(layer, tmp_path)
+    tensors = load_file(tmp_path / ADAPTER_WEIGHTS)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "base_model.model.lora_A.weight": (4, 12), "base_model.model.lora_B.weight": (20, 4)}
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["target_modules"] == []
+    other = LoRALinear(12, 20, config)
+    load_adapter(other, tmp_path)
+    assert torch.equal(other.lora_A.weight, layer.lora_A.weight)
+    assert torch.equal(other.lora_B.weight, layer.lora_B.weight)
+    with pytest.raises(ValueError, match=r"base_model.model.0.q_proj.lora_A.weight"):
+        load_adapter(_adapted(_base()), tmp_path)  # a model's layers have module paths: the keys differ
 
 
 def test_training_checkpoint_restores_adapters_optimizer_step_and_rng(tmp_path):
@@ -330,3 +458,16 @@ def test_interrupted_save_is_never_the_latest(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         load_checkpoint(tmp_path / "step_00000003", model, opt)
+
+
+def test_checkpoint_of_another_rank_is_refused_by_name_before_loading(tmp_path):
+    base = _base()
+    model = _adapted(base, r=4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    save_checkpoint(tmp_path, model, opt, step=1)
+    other = _adapted(base, r=2, seed=5)
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad])
+    before = _adapter_state(other)
+    with pytest.raises(ValueError, match=r"'0.q_proj.lora_A.weight' is \[4, 12\] in the checkpoint and \[2, 12\]"):
+        load_checkpoint(latest_checkpoint(tmp_path), other, other_opt)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())

@@ -5,10 +5,17 @@ saved at tp=2 must load at tp=4 and on one process with the same full tensors; a
 tp=2 must resume at tp=4 with the same adapters and AdamW moments.
 """
 
+import os
+import time
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 from _dist import mesh, run_ranks
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import DeviceMesh
 
 from parallel_lora import (
     ColumnParallelLoRALinear,
@@ -174,3 +181,67 @@ def test_merge_is_local_per_shard_and_unmerge_is_exact_under_tp():
         torch.testing.assert_close(merged, before, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(after, before, atol=0, rtol=0)
         assert not torch.allclose(base, before)  # the adapter matters, so the checks above are not vacuous
+
+
+def _save_bare_column_rank(path):
+    torch.manual_seed(1)
+    layer = ColumnParallelLoRALinear(8, 16, CONFIG, mesh())
+    with torch.no_grad():
+        layer.lora_B.weight.to_local().copy_(torch.randn(layer.lora_B.weight.to_local().shape))
+    save_adapter(layer, path)
+    return {n: p.detach().full_tensor() for n, p in layer.named_parameters() if "lora_" in n}
+
+
+def _load_bare_row_rank(path):
+    layer = RowParallelLoRALinear(16, 8, CONFIG, mesh())  # the transposed shapes: keys match, shapes do not
+    try:
+        load_adapter(layer, path)
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_bare_parallel_layer_saves_and_loads_into_a_bare_single_device_layer(tmp_path):
+    saved = run_ranks(2, _save_bare_column_rank, str(tmp_path))[0]
+    single = LoRALinear(8, 16, CONFIG)
+    load_adapter(single, tmp_path)
+    for name, t in saved.items():
+        assert torch.equal(single.get_parameter(name), t), name
+    assert all("'base_model.model.lora_A.weight' has shape (3, 8), the model expects (3, 16)" in e for e in
+               run_ranks(2, _load_bare_row_rank, str(tmp_path)))
+
+
+def _save_on_rank_0_only(rank: int, init_file: str, path: str, results) -> None:
+    # Its own two processes and process group, with a 3 s timeout: a timed-out gloo group is not reused safely,
+    # so this stays out of the shared pool. Rank 1 goes on with other work (sleeps) instead of saving.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3))
+    model = Pair(DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",)), seed=1)
+    if rank == 0:
+        try:
+            save_adapter(model, path)
+            results.send("saved")
+        except RuntimeError as e:
+            results.send(str(e))
+    else:
+        time.sleep(10)
+    os._exit(0)
+
+
+def test_save_adapter_on_rank_0_only_raises_that_every_rank_must_call_it(tmp_path):
+    # HF's habit (save_pretrained on rank 0 only) with a collective save: an error within the group's timeout
+    # that says every rank must call it, not a hang.
+    ctx = mp.get_context("spawn")  # a fork of this process may inherit a lock held by one of its threads
+    answer, results = ctx.Pipe(duplex=False)  # send() writes at once: nothing for os._exit to cut off
+    procs = [ctx.Process(target=_save_on_rank_0_only, args=(r, str(tmp_path / "store"), str(tmp_path / "adapter"),
+                                                             results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert answer.poll(120), "rank 0 neither saved nor raised"
+        message = answer.recv()
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert "save_adapter is collective: every rank must call it" in message, message
+    assert not (tmp_path / "adapter").exists()
