@@ -255,14 +255,25 @@ class _ParallelLoRALinear(nn.Module):
             raise ValueError(
                 f"{type(self).__name__}: input on {x.device}, but the mesh is on '{self.mesh.device_type}'"
             )
-        if self.sequence_parallel and x.dim() <= self.sequence_dim:
+        if self.sequence_parallel and x.dim() < 2:
             raise ValueError(
-                f"{type(self).__name__}: sequence_parallel needs x with a sequence dim {self.sequence_dim}, "
-                f"got shape {tuple(x.shape)}"
+                f"{type(self).__name__}: sequence_parallel needs x with at least 2 dims ([tokens, hidden] or one "
+                f"with a sequence dim {self.sequence_dim}), got shape {tuple(x.shape)}"
+            )
+        d = self.sequence_dim
+        if self.sequence_parallel and x.dim() > 2 and not (-x.dim() <= d < x.dim() and d % x.dim() != x.dim() - 1):
+            raise ValueError(
+                f"{type(self).__name__}: sequence_dim={self.sequence_dim} is not a dim of x other than the last "
+                f"(the hidden dim), x has shape {tuple(x.shape)}"
             )
 
     def _width_note(self) -> str:
         return f"in_features={self.in_features}"
+
+    def _seq_dim(self, x: torch.Tensor) -> int:
+        """The dim of ``x`` that sequence parallelism shards: ``sequence_dim``, except for a 2-D ``[tokens, hidden]``
+        input, whose only candidate is dim 0 (Megatron's flattened sequence-first layout)."""
+        return 0 if x.dim() == 2 else self.sequence_dim
 
     def _canonical_inputs(self, x: torch.Tensor) -> tuple[str, torch.dtype, torch.Tensor, torch.Tensor]:
         """``(backend, compute dtype, x, local W)`` with ``x`` and ``W`` cast to the compute dtype, by the same
@@ -297,9 +308,10 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
     """Column-parallel LoRA linear: ``W`` Shard(0), ``A`` Replicate, ``B`` Shard(0), bias Shard(0).
 
     Input ``[*, in]`` (full; sequence shard along ``sequence_dim`` with SP) -> output ``[*, out/tp]`` in the
-    base output dtype. Forward issues no collective (SP: one all-gather of x); backward one all-reduce of
-    dx carrying base and LoRA terms together (SP: one reduce-scatter, plus one all-gather of the saved x
-    shard for dA) and one all-reduce of dA.
+    base output dtype. Under SP a 2-D input ``[tokens/tp, in]`` is sharded along dim 0, whatever
+    ``sequence_dim`` says (its other dim is the hidden one). Forward issues no collective (SP: one all-gather
+    of x); backward one all-reduce of dx carrying base and LoRA terms together (SP: one reduce-scatter, plus
+    one all-gather of the saved x shard for dA) and one all-reduce of dA.
     """
 
     kind = "column"
@@ -309,7 +321,7 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
         backend, dtype, x, w_local = self._canonical_inputs(x)
         b_local = None if self.bias is None else cast_to(_local(self.bias), dtype)
         group = self._group()
-        comm = SequenceGather(self.sequence_dim, group) if self.sequence_parallel else ReplicatedInput(group)
+        comm = SequenceGather(self._seq_dim(x), group) if self.sequence_parallel else ReplicatedInput(group)
         if self.merged or not self.adapter_enabled:
             return nn.functional.linear(input_comm(x, comm), w_local, b_local)
         a_local, b_lora = self._local_factors(dtype, backend, group)
@@ -321,10 +333,10 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
 class RowParallelLoRALinear(_ParallelLoRALinear):
     """Row-parallel LoRA linear: ``W`` Shard(1), ``A`` Shard(1), ``B`` Replicate, bias Replicate.
 
-    Input ``[*, in/tp]`` -> output ``[*, out]`` (sequence shard with SP) in the base output dtype. The LoRA
-    partial joins the base partial before the one all-reduce (SP: reduce-scatter); the bias is added once
-    after it. Backward issues no activation collective (SP: the base's all-gather of dy) and one all-reduce
-    of dB.
+    Input ``[*, in/tp]`` -> output ``[*, out]`` (sequence shard with SP: along dim 0 for a 2-D ``[tokens,
+    in/tp]`` input, else along ``sequence_dim``) in the base output dtype. The LoRA partial joins the base
+    partial before the one all-reduce (SP: reduce-scatter); the bias is added once after it. Backward issues
+    no activation collective (SP: the base's all-gather of dy) and one all-reduce of dB.
     """
 
     kind = "row"
@@ -335,14 +347,14 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp_size
         self._check_input(x, self.in_features // tp)
-        if self.sequence_parallel and x.shape[self.sequence_dim] % tp != 0:
+        if self.sequence_parallel and x.shape[self._seq_dim(x)] % tp != 0:
             raise ValueError(
-                f"RowParallelLoRALinear: sequence length {x.shape[self.sequence_dim]} (dim {self.sequence_dim}) "
+                f"RowParallelLoRALinear: sequence length {x.shape[self._seq_dim(x)]} (dim {self._seq_dim(x)}) "
                 f"must be divisible by the tensor-parallel size {tp} under sequence_parallel"
             )
         backend, dtype, x, w_local = self._canonical_inputs(x)
         group = self._group()
-        comm = ReduceScatterOutput(self.sequence_dim, group) if self.sequence_parallel else ReducedOutput(group)
+        comm = ReduceScatterOutput(self._seq_dim(x), group) if self.sequence_parallel else ReducedOutput(group)
         if self.merged or not self.adapter_enabled:
             y = output_comm(nn.functional.linear(x, w_local), comm)
         else:

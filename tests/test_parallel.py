@@ -481,6 +481,37 @@ def test_sequence_parallel_along_dim_0_matches_plain_tensor_parallel(world_size)
     _dist.run_ranks(world_size, _sequence_first_sp_matches_plain_tp)
 
 
+def _two_d_input_is_sequence_first() -> None:
+    """A 2-D ``[tokens, hidden]`` input under SP, layers left at the default ``sequence_dim=1`` (the ``[b, s, h]``
+    reading): the tokens (dim 0) are the sequence, for the column layer's gather and the row layer's
+    reduce-scatter alike, and the result is the single-device layers' on the full tokens."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    col, row, col_ref, row_ref = _tp_pair(F32, sp=True)
+    assert (col.sequence_dim, row.sequence_dim) == (1, 1)
+    x_full = torch.randn(BATCH * SEQ, K)
+    x = x_full.chunk(tp, dim=0)[rank].clone().requires_grad_(True)
+    y = row(F.gelu(col(x)))
+    assert y.shape == (BATCH * SEQ // tp, N)
+    y.square().sum().backward()  # the ranks' local losses sum to the full one
+    x_ref = x_full.to(F64).requires_grad_(True)
+    row_ref(F.gelu(col_ref(x_ref))).square().sum().backward()
+    y_ref = row_ref(F.gelu(col_ref(x_full.to(F64))))
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(_dist.all_gather_object(t.detach()), dim=0)
+
+    _close(gather(y), y_ref, F32, "2-D SP: y")
+    _close(gather(x.grad), x_ref.grad, F32, "2-D SP: x.grad")
+    _close(_full(col.lora_A.weight.grad), col_ref.lora_A.weight.grad, F32, "2-D SP: column dA")
+    _close(_full(row.lora_B.weight.grad), row_ref.lora_B.weight.grad, F32, "2-D SP: row dB")
+    with pytest.raises(ValueError, match=r"sequence_parallel needs x with at least 2 dims"):
+        col(torch.randn(K))
+
+
+def test_sequence_parallel_on_a_2d_input_shards_its_token_dim():
+    _dist.run_ranks(2, _two_d_input_is_sequence_first)
+
+
 def _init_independent_of_tp(seed: int) -> None:
     mesh, rank = _dist.mesh(), dist.get_rank()
     cfg = _config()
@@ -801,7 +832,7 @@ def _bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match=msg):
         row_sp(torch.randn(BATCH, 7, H // 2))
     col_sp = ColumnParallelLoRALinear(K, H, cfg, mesh, sequence_parallel=True)
-    with pytest.raises(ValueError, match="sequence_parallel needs x with a sequence dim 1"):
+    with pytest.raises(ValueError, match="sequence_parallel needs x with at least 2 dims"):
         col_sp(torch.randn(K))
 
 
