@@ -4,11 +4,14 @@
     torchrun --nproc-per-node 4 launch/train.py --dp 2              # a (dp=2, tp=2) mesh
     torchrun --nproc-per-node 2 launch/train.py --sequence-parallel
     torchrun --nproc-per-node 2 launch/train.py --resume            # continue from the latest checkpoint
+    python launch/train.py --preset tiny                            # a world of one, without torchrun
 
-Top to bottom: args, mesh, model (same seed on every rank, then ``apply_lora``), the TP plan dict applied
-to every block, the AdamW loop (grad accumulation under ``no_sync``, dp all-reduce, clipping,
-checkpoints), teardown (adapter in PEFT format, loss plot). Writes under ``--output-dir``:
-``metrics.jsonl``, ``checkpoints/step_<N>/``, ``adapter/``, ``loss.png``. See docs/launcher.md.
+Top to bottom: args (``cli.py``: every flag checked before anything starts), mesh, model (same seed on every
+rank, then ``apply_lora``), the TP plan dict applied to every block, the AdamW loop (grad accumulation under
+``no_sync``, dp all-reduce, clipping, checkpoints), teardown (adapter in PEFT format, loss plot). Writes under
+``--output-dir``: ``metrics.jsonl``, ``checkpoints/step_<N>/``, ``adapter/``, ``loss.png``; it never removes
+an earlier run there unless told to (``--overwrite``). ``faults.py`` bounds every wait by ``--timeout`` and turns
+each failure into one line. See docs/launcher.md.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from data import Corpus  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
-from model import PRESETS, Transformer, check_tp, config_for  # noqa: E402
+import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
+from cli import RUN_KEYS, RUN_OUTPUTS, parse_args  # noqa: E402
+from data import Corpus  # noqa: E402
+from model import Transformer, config_for  # noqa: E402
 
 from parallel_lora import (  # noqa: E402
     ColwiseParallelLoRA,
@@ -49,42 +53,6 @@ from parallel_lora import (  # noqa: E402
 )
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Arguments that fix the batches, the model or the schedule: a resumed run that changes one of them
-# cannot reproduce the uninterrupted run, so resume warns.
-RUN_KEYS = ("preset", "seed", "batch_size", "seq_len", "grad_accum", "dp", "steps", "lr", "warmup", "rank", "alpha")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (launch/model.py)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size / dp)")
-    p.add_argument("--sequence-parallel", action="store_true", help="shard the residual stream along the sequence")
-    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (linear warmup, cosine to 10%%)")
-    p.add_argument("--warmup", type=int, default=5, help="warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the adapters")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / r)")
-    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens (characters) per sequence")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="rerun each block's forward in backward instead of keeping its activations")
-    p.add_argument("--output-dir", default="runs/train", help="where metrics, checkpoints and the adapter go")
-    p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the last step)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="seeds the base model, the adapters and the batches")
-    # Fault injection for tests: rank R dies with os._exit(1) at step K, after backward, before the update.
-    p.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    for name in ("steps", "dp", "rank", "seq_len", "batch_size", "grad_accum", "save_every"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -111,9 +79,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot_loss(rows: list[dict], png: Path, title: str) -> None:
-    import matplotlib
-
+def plot_loss(rows: list[dict], png: Path, title: str) -> bool:
+    """Draw the loss curve to ``png``; without matplotlib (the ``[train]`` extra), warn and draw nothing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"warning: matplotlib is not installed, so {png} was not drawn (pip install -e '.[train]')",
+              file=sys.stderr)
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -126,37 +99,34 @@ def plot_loss(rows: list[dict], png: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__)  # exits with code 2, one message, on a bad flag
+    out = Path(args.output_dir)
+    ckpt_root, metrics_path = out / "checkpoints", out / "metrics.jsonl"
 
     # -- mesh: (dp, tp); the tp slice drives the LoRA layers, the dp slice averages their gradients ------------
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dp = args.dp
-    tp = args.tp if args.tp is not None else world // dp
-    if dp * tp != world:
-        raise SystemExit(f"--dp {dp} x --tp {tp} must equal the world size {world} (torchrun --nproc-per-node)")
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp, tp = args.dp, args.tp
+    mesh = faults.init_distributed(device.type, dp, tp, args.timeout, ckpt_root)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     rank, dp_rank = dist.get_rank(), dp_mesh.get_local_rank()
 
     # -- model: the same "pretrained" base on every rank (same seed), then adapters on every projection ------
+    faults.at("model set-up")
     corpus = Corpus()
     config = config_for(args.preset, vocab_size=corpus.tokenizer.vocab_size)
-    check_tp(config, tp)
-    if args.sequence_parallel and args.seq_len % tp != 0:
-        raise SystemExit(f"--sequence-parallel needs --seq-len ({args.seq_len}) divisible by tp={tp}")
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Transformer(config)
     lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES)
-    apply_lora(model, lora_config, verbose=rank == 0)
+    apply_lora(model, lora_config)  # its summary prints on rank 0 (the parallel_lora logger)
     model.activation_checkpointing = args.activation_checkpointing
 
     # -- plan: Megatron-style attention and MLP; heads and MLP width split over tp --------------------------
@@ -186,98 +156,108 @@ def main(argv: list[str] | None = None) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
 
-    # -- resume or start fresh ------------------------------------------------------------------------------
-    out = Path(args.output_dir)
-    ckpt_root, metrics_path = out / "checkpoints", out / "metrics.jsonl"
+    # -- resume, start fresh, or replace the earlier run (cli.py refused anything else) ----------------------
+    faults.at("checkpoint load")
     run_info = {k: getattr(args, k) for k in RUN_KEYS}
     start_step = 0
     latest = latest_checkpoint(ckpt_root) if args.resume else None
     if latest is not None:
-        meta = load_checkpoint(latest, model, optimizer)
-        start_step = meta["step"]
+        try:
+            meta = load_checkpoint(latest, model, optimizer)
+        except ValueError as e:  # the checkpoint's adapters do not fit this model
+            faults.refuse(f"--resume: {e}")
+        start_step = faults.RUN.step = meta["step"]
         changed = {k: (v, run_info[k]) for k, v in meta.get("extra", {}).items() if run_info.get(k) != v}
         if rank == 0 and changed:
             print(f"warning: resuming with changed {changed} (checkpoint, now): losses will differ from the "
                   "uninterrupted run")
     if rank == 0:
+        if args.overwrite:
+            for name in RUN_OUTPUTS:  # the earlier run's outputs only: anything else in the directory stays
+                path = out / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            print(f"overwrite: removed the earlier run's {', '.join(RUN_OUTPUTS)} from {out}")
         out.mkdir(parents=True, exist_ok=True)
         if args.resume:
-            print(f"resuming from {latest} at step {start_step}" if latest else "resume: no checkpoint, starting at 0")
-        elif ckpt_root.exists():
-            shutil.rmtree(ckpt_root)  # a fresh run must never resume into an older run's checkpoints
+            print(f"resuming from {latest} at step {start_step}" if latest else
+                  f"resume: no checkpoint in {ckpt_root}, starting at step 0")
         # Keep the history up to the resumed step only, so metrics.jsonl has one line per step.
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         print(f"mesh dp={dp} x tp={tp} on {device.type}, sequence_parallel={sp}; preset {args.preset}: "
               f"{config.n_layers} layers, dim {config.dim}, {config.n_heads} heads; "
-              f"batch {args.batch_size}x{args.seq_len} x accum {args.grad_accum} x dp {dp}")
+              f"batch {args.batch_size}x{args.seq_len} x accum {args.grad_accum} x dp {dp}", flush=True)
     dist.barrier()
 
     # -- loop -----------------------------------------------------------------------------------------------
     metrics = open(metrics_path, "a") if rank == 0 else None
-    bar = tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=rank != 0)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp
     model.train()
-    for step in range(start_step + 1, args.steps + 1):
-        t0 = time.perf_counter()
-        lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            inputs, targets = corpus.batch(
-                seed=args.seed, step=step, micro_step=micro, batch_size=args.batch_size, seq_len=args.seq_len,
-                dp_rank=dp_rank, dp=dp,
-            )
-            inputs, targets = inputs.to(device), targets.to(device)
-            # Defer the TP reductions of the replicated adapter grads to the last micro-step's backward.
-            last = micro == args.grad_accum - 1
-            with contextlib.nullcontext() if last else no_sync(model):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum
-                loss.backward()
-            loss_sum += loss.detach()
-        if step == args.fail_at_step and rank == args.fail_rank:
-            print(f"[rank {rank}] injected failure at step {step}", flush=True)
-            os._exit(1)
-        if dp > 1:
-            average_over_dp(trainable, dp_mesh.get_group(), dp)
-            dist.all_reduce(loss_sum, group=dp_mesh.get_group())
-            loss_sum /= dp
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss_sum.item()
-        grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-        tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
-        if metrics is not None:
-            row = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm}
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-        bar.update()
-        if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(ckpt_root, model, optimizer, step, extra=run_info)
-    bar.close()
+    with tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=rank != 0) as bar:
+        for step in range(start_step + 1, args.steps + 1):
+            faults.at("forward/backward", step)
+            t0 = time.perf_counter()
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(args.grad_accum):
+                inputs, targets = corpus.batch(
+                    seed=args.seed, step=step, micro_step=micro, batch_size=args.batch_size, seq_len=args.seq_len,
+                    dp_rank=dp_rank, dp=dp,
+                )
+                inputs, targets = inputs.to(device), targets.to(device)
+                # Defer the TP reductions of the replicated adapter grads to the last micro-step's backward.
+                last = micro == args.grad_accum - 1
+                with contextlib.nullcontext() if last else no_sync(model):
+                    logits = model(inputs)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum
+                    loss.backward()
+                loss_sum += loss.detach()
+            if step == args.fail_at_step and rank == args.fail_rank:
+                print(f"[rank {rank}] injected failure at step {step}", flush=True)
+                os._exit(1)
+            if dp > 1:
+                faults.at("gradient all-reduce over dp", step)
+                average_over_dp(trainable, dp_mesh.get_group(), dp)
+                dist.all_reduce(loss_sum, group=dp_mesh.get_group())
+                loss_sum /= dp
+            faults.at("gradient clipping", step)  # the norm of DTensor grads is reduced over tp
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = loss_sum.item()
+            grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+            tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
+            if metrics is not None:
+                row = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm}
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.update()
+            if step % args.save_every == 0 or step == args.steps:
+                faults.at("checkpoint save", step)
+                save_checkpoint(ckpt_root, model, optimizer, step, extra=run_info)
 
     # -- teardown: the adapter (PEFT format), the loss curve ---------------------------------------------------
+    faults.at("adapter save")
     save_adapter(model, out / "adapter")
     if rank == 0:
         metrics.close()
         rows = read_metrics(metrics_path)
         if rows:
-            plot_loss(rows, out / "loss.png", f"LoRA r={args.rank} on '{args.preset}', dp={dp} x tp={tp}, sp={sp}")
+            title = f"LoRA r={args.rank} on '{args.preset}', dp={dp} x tp={tp}, sp={sp}"
+            plotted = plot_loss(rows, out / "loss.png", title)
             print(f"loss {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
-                  f"(step {rows[-1]['step']}); wrote {out}/metrics.jsonl, adapter/, loss.png, checkpoints/")
+                  f"(step {rows[-1]['step']}); wrote {out}/metrics.jsonl, adapter/, "
+                  f"{'loss.png, ' if plotted else ''}checkpoints/")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
-    # Leave without interpreter finalization. On gloo the process groups outlive destroy_process_group() (DTensor
-    # keeps references to them) and so do their worker threads. A worker still releasing a finished
-    # collective's tensors takes the GIL; during finalization that ends the thread through a noexcept frame, and
-    # the rank dies of SIGABRT after a complete run (pytorch/pytorch#179291). Everything is written and closed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # faults.run_main leaves through os._exit: without interpreter finalization. On gloo the process groups
+    # outlive destroy_process_group() (DTensor keeps references to them) and so do their worker threads. A worker
+    # still releasing a finished collective's tensors takes the GIL; during finalization that ends the thread
+    # through a noexcept frame, and the rank dies of SIGABRT after a complete run (pytorch/pytorch#179291).
+    # Everything is written and closed by then.
+    faults.run_main(main)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,13 @@ def torchrun(out_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedP
            str(REPO / "launch" / "train.py"), "--output-dir", str(out_dir), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def launch_one(out_dir: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python launch/train.py``, without torchrun: a world of one."""
+    cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--output-dir", str(out_dir), *args]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=300)
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -182,3 +191,74 @@ def test_batches_depend_only_on_seed_step_and_micro_step():
 
 def test_shipped_corpus_is_the_generator_output():
     assert CORPUS_PATH.read_text(encoding="utf-8") == generate_corpus()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a, tmp_path):
+    # Two torchrun agents meet at one c10d rendezvous, as two machines would (--nnodes 2, one process each), with
+    # the command line a preemptible job repeats: --resume from the first launch on. The "node" holding rank 1
+    # dies at step 5; the job resumes on one node of one process (tp 2 -> 1: DCP reshards).
+    out = tmp_path / "run"
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{_free_port()}", "--rdzv-id", "two-nodes"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, str(REPO / "launch" / "train.py"),
+           "--output-dir", str(out), "--resume", *COMMON, "--fail-at-step", "5", "--fail-rank", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    both = "".join(outputs)
+    assert both.count(f"resume: no checkpoint in {out / 'checkpoints'}, starting at step 0") == 1, both
+    failed = [line for line in both.splitlines() if line.startswith("[rank 0] the ")]
+    assert len(failed) == 1 and "of step 5 failed: another rank closed its connection (it died)" in failed[0], both
+    assert f"(last checkpoint: {out / 'checkpoints' / 'step_00000003'})" in failed[0]
+    # Two nodes train like one: tp=2 either way, the same ops, so the same losses bit for bit.
+    assert losses(out) == losses(run_a)[:4]
+
+    resumed = launch_one(out, "--resume", *COMMON)
+    check_ok(resumed)
+    assert "resuming from" in resumed.stdout and "step_00000003 at step 3" in resumed.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
+    # tp=1 after tp=2: the same masks (the dropout streams are checkpointed), sums in another order.
+    torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    refused = launch_one(out, *COMMON, "--resume", "--rank", "4")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.count("\n") == 1, refused.stderr  # no traceback, no CheckpointException
+    assert f"{out / 'checkpoints' / 'step_00000008'} was saved with --rank 8" in refused.stderr
+    assert "a run with --rank 4" in refused.stderr
+    assert metrics(out) == metrics(run_a)
+
+
+def test_an_earlier_run_is_kept_unless_overwrite_and_no_matplotlib_only_skips_the_plot(run_a, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    refused = launch_one(out, *COMMON)  # the same command again, without --resume
+    assert refused.returncode == 2
+    assert "holds an earlier run (checkpoints, metrics.jsonl, adapter, loss.png): pass --resume to continue it, " \
+           "--overwrite to replace it" in refused.stderr
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    # --overwrite replaces it, here on a machine without matplotlib (the [train] extra): the run still succeeds.
+    blocker = tmp_path / "no_matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+    (out / "notes.txt").write_text("not the launcher's")
+    replaced = launch_one(out, *COMMON, "--steps", "2", "--overwrite", env={"PYTHONPATH": str(blocker.parent)})
+    check_ok(replaced)
+    assert "warning: matplotlib is not installed, so" in replaced.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert not (out / "loss.png").exists() and (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "notes.txt").read_text() == "not the launcher's"

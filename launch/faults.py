@@ -1,0 +1,134 @@
+"""How the launcher starts and fails: bounded waits, and one line per failure instead of tracebacks.
+
+- ``init_distributed``: the process group with ``--timeout`` (a world of one when run without torchrun), and a
+  ``(dp, tp)`` mesh whose groups get the same timeout (``init_device_mesh`` would give sub-groups torch's
+  30-minute default).
+- ``at(phase, step)``: what this rank is doing, so that a collective that fails or times out (another rank died,
+  hangs, or was stopped) ends this rank with one line naming it and how to resume.
+- ``run_main``: runs the launcher's ``main`` and turns Ctrl-C, collective failures and argument errors into one
+  message each and an exit code (0 done, 1 failure, 2 bad arguments, 130 interrupted), leaving through
+  ``os._exit`` (see ``launch/train.py``'s last comment).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from cli import is_rank0
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel_lora import latest_checkpoint
+from parallel_lora.checkpoint import is_collective_failure
+
+
+class _Run:
+    """This rank's whereabouts, for the failure message."""
+
+    def __init__(self) -> None:
+        self.phase, self.step = "start-up", 0
+        self.checkpoints: Path | None = None
+        self.timeout_s: float | None = None
+        self.interrupted = False
+
+
+RUN = _Run()
+
+
+def at(phase: str, step: int | None = None) -> None:
+    """Record that this rank is in ``phase`` (of ``step``): named if a collective in it fails."""
+    RUN.phase = phase if step is None else f"{phase} of step {step}"
+    if step is not None:
+        RUN.step = step
+
+
+def init_distributed(device_type: str, dp: int, tp: int, timeout_s: float, checkpoints: Path) -> DeviceMesh:
+    """Start the process group with a ``timeout_s`` on every collective and return the ``(dp, tp)`` mesh.
+
+    Under torchrun it reads the usual environment; without it (``python launch/train.py``) it is a world of one
+    on an in-process store, no port needed.
+    """
+    RUN.timeout_s, RUN.checkpoints = timeout_s, checkpoints
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(timeout=timeout)
+    else:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    grid = torch.arange(dp * tp).view(dp, tp)
+    groups = {}
+    for name, lines in (("dp", grid.t()), ("tp", grid)):  # every rank creates every group, in the same order
+        for ranks in lines.tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                groups[name] = group
+    return DeviceMesh.from_group([groups["dp"], groups["tp"]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
+
+
+def refuse(message: str) -> None:
+    """An error in the arguments found after start-up (every rank finds it): print it once, exit with code 2."""
+    if is_rank0():
+        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _resume_hint() -> str:
+    latest = latest_checkpoint(RUN.checkpoints) if RUN.checkpoints is not None else None
+    return f"last checkpoint: {latest}" if latest else "no checkpoint yet: --resume starts over"
+
+
+def _cause(exc: BaseException) -> str:
+    text = " ".join(str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None).lower()
+    if "timed out" in text or "timeout" in text:
+        return f"no answer from another rank within --timeout {RUN.timeout_s:g} s (it died or hangs)"
+    if "closed" in text or "reset" in text or "broken pipe" in text:
+        return "another rank closed its connection (it died)"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _on_sigint(signum, frame) -> None:
+    RUN.interrupted = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards the signal again: once is enough
+    raise KeyboardInterrupt
+
+
+def _report(exc: BaseException) -> int:
+    """Print one line for ``exc`` (a traceback for a bug), return the exit code."""
+    if RUN.interrupted or isinstance(exc, KeyboardInterrupt):
+        # Every rank was interrupted; what a rank's peers did meanwhile (closing connections) is no news.
+        if is_rank0():
+            print(f"interrupted at step {RUN.step}; resume with --resume ({_resume_hint()})", file=sys.stderr)
+        return 130
+    if is_collective_failure(exc):
+        rank = os.environ.get("RANK", "0")
+        print(f"[rank {rank}] the {RUN.phase} failed: {_cause(exc)}. Resume with --resume ({_resume_hint()})",
+              file=sys.stderr)
+        return 1
+    traceback.print_exception(exc)
+    return 1
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run ``main()`` and leave the process with its exit code, one message per failure."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # argparse and refuse() printed their message already
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code != 0 and not is_rank0():
+            # Every rank found the same error; the first to exit makes torchrun stop the others, so let rank 0,
+            # the one that prints it, go first.
+            time.sleep(2)
+    except BaseException as e:  # noqa: B036 - every way out gets its one line and exit code
+        code = _report(e)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
