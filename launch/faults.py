@@ -115,20 +115,31 @@ def _report(exc: BaseException) -> int:
     return 1
 
 
-def run_main(main: Callable[[], None]) -> None:
-    """Run ``main()`` and leave the process with its exit code, one message per failure."""
-    signal.signal(signal.SIGINT, _on_sigint)
+def _outcome(main: Callable[[], None]) -> int:
     try:
         main()
-        code = 0
+        return 0
     except SystemExit as e:  # argparse and refuse() printed their message already
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if code != 0 and not is_rank0():
             # Every rank found the same error; the first to exit makes torchrun stop the others, so let rank 0,
             # the one that prints it, go first.
             time.sleep(2)
+        return code
     except BaseException as e:  # noqa: B036 - every way out gets its one line and exit code
-        code = _report(e)
-    sys.stdout.flush()
-    sys.stderr.flush()
+        return _report(e)
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run ``main()`` and leave the process with its exit code, one message per failure."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        code = _outcome(main)
+    except KeyboardInterrupt:  # Ctrl-C landed while another failure was being reported (the handler is off now)
+        code = _report(KeyboardInterrupt())
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except KeyboardInterrupt:
+        pass
     os._exit(code)
