@@ -1,12 +1,19 @@
 """Counter-based dropout for the LoRA branch: the mask is a pure function of (seed, row, column).
 
-Nothing is stored between forward and backward: both passes regenerate the keep-mask from the seed.
+Nothing x-sized is stored between forward and backward: both passes regenerate the keep-mask from the call's
+seed, a 1-element int64 tensor on the operands' device (8 bytes).
 Element ``(m, k)`` of the mask (global row ``m``, global column ``k``) is kept when
 ``hash_uniform(seed, m, k) >= p``, a 16-bit uniform cut from a cheap counter-based hash (see
 ``hash_uniform``): columns ``2j`` and ``2j + 1`` of a row share one 32-bit hash word, the low and the high half.
 The eager path below and the Triton kernels (``parallel_lora.kernels.dropout_mask``) compute the same hash bit
 for bit, so the two backends drop exactly the same elements, and a tensor-parallel shard that owns columns
 ``[k_offset, k_offset + K_local)`` sees the matching slice of the full mask.
+
+Where seeds come from (``DropoutStream``): each call draws one from the device's default generator, on the device,
+so nothing syncs with the host, a CUDA graph replays with a fresh seed (torch's generator advances its offset at each
+replay), torch.compile traces the draw (``parallel_lora::dropout_seed``, a random op AOTAutograd saves, or replays
+with the forward's generator state under activation checkpointing), and an eager checkpoint rerun gets its
+forward's seed back.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.library import custom_op
 
 MASK32 = 0xFFFFFFFF  # the hash works on uint32: every intermediate is taken mod 2**32
 # murmur3's fmix32 multipliers, and the 32-bit golden ratio (offsets the seed's low word).
@@ -31,13 +39,15 @@ class Dropout:
 
     ``position="pre"`` drops elements of ``x [M, K]`` before ``A``; ``"post"`` drops elements of
     ``x A^T [M, r]`` before ``B``. ``k_offset`` is the global index of this shard's first input column
-    (row-parallel layers shard ``K``); it only matters for ``"pre"``. ``seed`` (any int, taken mod 2**64)
-    keys the counter-based mask hash ``hash_uniform``: element ``(m, k)`` is kept iff
-    ``hash_uniform(seed, m, k) >= p``.
+    (row-parallel layers shard ``K``); it only matters for ``"pre"``. ``seed`` keys the counter-based mask hash
+    ``hash_uniform``: element ``(m, k)`` is kept iff ``hash_uniform(seed, m, k) >= p``. It is a 1-element int64
+    tensor on the operands' device (``DropoutStream``, ``draw_seed``, ``seed_tensor``), which the kernels read
+    from device memory; a Python int (taken mod 2**64) is a host-side seed, turned into such a tensor where the
+    kernels need one (``seed_tensor``), which a CUDA graph would replay unchanged.
     """
 
     p: float
-    seed: int
+    seed: torch.Tensor | int
     position: str = "pre"
     k_offset: int = 0
 
@@ -78,7 +88,7 @@ def fmix32(x):
     return x ^ (x >> 16)
 
 
-def hash_keys(seed: int) -> tuple[int, int]:
+def hash_keys(seed):
     """The per-call keys ``(k_row, k_col)``: a bijection of the 64-bit seed ``(lo, hi)`` (scalar work, once per
     kernel program) so that every seed bit, ``hi`` included, reaches both keys through a full avalanche::
 
@@ -86,8 +96,11 @@ def hash_keys(seed: int) -> tuple[int, int]:
         k_row = fmix32(hi ^ t)
         k_col = fmix32(t + k_row)
 
-    (invertible: ``t = fmix32^-1(k_col) - k_row``, then ``lo`` and ``hi``)."""
-    seed = int(seed)
+    (invertible: ``t = fmix32^-1(k_col) - k_row``, then ``lo`` and ``hi``). ``seed``: a Python int or a 1-element
+    int64 tensor (whose two's-complement bits are the seed mod 2**64, so both give the same keys): int keys, or,
+    for a device tensor (or any tensor under torch.compile), ``[1]`` int64 tensors on its device."""
+    if not isinstance(seed, torch.Tensor) or (seed.device.type == "cpu" and not torch.compiler.is_compiling()):
+        seed = int(seed)  # a CPU tensor's value costs no sync: its keys are a few host-side integer ops
     lo, hi = seed & MASK32, (seed >> 32) & MASK32
     t = fmix32((lo + GOLDEN32) & MASK32)
     k_row = fmix32(hi ^ t)
@@ -95,7 +108,7 @@ def hash_keys(seed: int) -> tuple[int, int]:
     return k_row, k_col
 
 
-def hash_bits(seed: int, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+def hash_bits(seed, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """The 32-bit hash ``h(m, w) = fmix32(fmix32(m ^ k_row) + fmix32(w ^ k_col))`` (uint32 arithmetic, ``+``
     mod 2**32) of broadcastable int64 index tensors (row ``m``, word ``w``), as int64 holding uint32 values.
     Word ``w`` of a row holds the uniforms of columns ``2w`` and ``2w + 1`` (``hash_uniform``).
@@ -119,11 +132,12 @@ def hash_bits(seed: int, rows: torch.Tensor, words: torch.Tensor) -> torch.Tenso
     return fmix32((r + c) & MASK32)
 
 
-def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def hash_uniform(seed, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """Uniform fp32 in [0, 1): ``u = v * 2**-16``, with ``v`` the low 16 bits of ``h(m, c >> 1)`` for an even
     column ``c`` and the high 16 bits for an odd one (``h = hash_bits``, ``c`` taken mod 2**32).
 
-    ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32). Every
+    ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32), ``seed`` an int
+    or a 1-element int64 tensor on their device (``hash_keys``). Every
     value is a multiple of 2**-16 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
     Two uniforms per hash cut the kernels' integer work per element by ~40% against a 24-bit uniform per hash
     (the mask of the fused backward's 128 x 256 dx tile, in sm_90a SASS); p then moves in steps of 2**-16 (the
@@ -134,25 +148,77 @@ def hash_uniform(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Ten
     return ((h >> ((cols & 1) * 16)) & 0xFFFF).to(torch.float32) * 2.0**-16
 
 
-# Outside torch.compile's graph: a seed that changes every call would make Dynamo recompile with a symbolic
-# seed and expand the hash in sympy (minutes a call on CPU).
-@torch.compiler.disable
-def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
-    """Boolean keep-mask ``[rows, cols]`` for this call's dropped tensor (``x`` for "pre", ``x A^T`` for
-    "post"), columns shifted by ``k_offset`` for "pre"."""
+def _keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
     offset = dropout.k_offset if dropout.position == "pre" else 0
     m = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
     k = torch.arange(offset, offset + cols, device=device, dtype=torch.int64).unsqueeze(0)
     return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/word
 
 
-# Outside torch.compile's graph: Inductor's random numbers differ from eager's, and a checkpoint rerun must
-# draw what the forward drew from the restored CPU generator.
+# A host-side seed is an int: traced, each call's seed would be a new constant (a recompile per call, and the hash
+# expanded in sympy). Its mask stays out of compiled graphs; a tensor seed's is traced.
+_host_seed_keep_mask = torch.compiler.disable(_keep_mask)
+
+
+def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
+    """Boolean keep-mask ``[rows, cols]`` for this call's dropped tensor (``x`` for "pre", ``x A^T`` for
+    "post"), columns shifted by ``k_offset`` for "pre". A tensor seed keeps the hash on the device (no sync)."""
+    if not isinstance(dropout.seed, torch.Tensor):
+        return _host_seed_keep_mask(dropout, rows, cols, device)
+    return _keep_mask(dropout, rows, cols, device)
+
+
+# Seeds are drawn below 2**62: any int64 keys the hash alike; non-negative ones print and compare plainly.
+SEED_BOUND = 2**62
+
+
+# Outside compiled graphs, like every host-side seed (``_host_seed_keep_mask``): ``DropoutStream`` draws its tags
+# only when not compiling, and the tensor-parallel layers' host-side seeds are drawn here.
 @torch.compiler.disable
 def new_seed() -> int:
-    """A fresh 63-bit seed from the CPU default generator (no device sync, reproducible under
-    ``torch.manual_seed``)."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    """A fresh 62-bit int from the CPU default generator (no device sync, reproducible under
+    ``torch.manual_seed``): the checkpoint tags of ``CallSeeds``, and the tensor-parallel layers' seeds."""
+    return int(torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64).item())
+
+
+def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
+    """A host-side seed (any int, taken mod 2**64) as the 1-element int64 tensor the kernels read, on ``device``.
+
+    A host-to-device copy at each call, so a CUDA graph would replay the captured value: capture with seeds from
+    ``draw_seed`` / ``DropoutStream`` instead, which is why this raises while the current CUDA stream is capturing."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"LoRA dropout: a host-side seed ({seed}) cannot be captured in a CUDA graph: every replay would reuse "
+            "its mask. Let the layer draw its seeds (parallel_lora.dropout.DropoutStream, or dropout_seed=None in "
+            "lora_linear), or capture with dropout=0.0."
+        )
+    seed = int(seed) % 2**64
+    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)
+
+
+def draw_seed(like: torch.Tensor) -> torch.Tensor:
+    """A fresh seed, ``[1]`` int64 in ``[0, 2**62)``, drawn on ``like``'s device from its default generator (``like``'s
+    values are not read): no host sync, and under CUDA graph capture a new value at every replay (the generator's
+    offset advances per replay). Traced by torch.compile as the ``parallel_lora::dropout_seed`` op, which draws the
+    same numbers."""
+    if torch.compiler.is_compiling():
+        return torch.ops.parallel_lora.dropout_seed(like)
+    return torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, device=like.device)
+
+
+# The draw as torch.compile sees it: an opaque op, so Inductor runs torch's own generator exactly as the eager path
+# does (a lowered randint would draw other numbers), tagged random, so AOTAutograd saves its output for backward
+# and, where activation checkpointing recomputes it, replays it with the forward's generator state (which takes a
+# tensor argument to find the device: hence ``like``).
+@custom_op("parallel_lora::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _dropout_seed_op(like: torch.Tensor) -> torch.Tensor:
+    return draw_seed(like)
+
+
+@_dropout_seed_op.register_fake
+def _(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device=like.device)
 
 
 class CallSeeds:
@@ -162,19 +228,20 @@ class CallSeeds:
     not keep. A layer that took a new seed there would rebuild ``S = s * drop(x) A^T`` under another mask than
     its forward used, and ``dB = dy^T S`` would come out silently wrong. Checkpointing restores the CPU
     generator before the rerun (``preserve_rng_state=True``, its default), so every call draws one tag from it
-    (``new_seed``): a call outside backward is a new call, whose seed ``fresh(tag)`` is kept under its tag; a
-    call inside backward is a rerun and gets the seed kept under its tag, or an error if there is none. Each
-    call draws exactly one value either way, so the generator stays in step for the region's other random ops.
+    (``new_seed``, or the caller's ``tag``, drawn likewise): a call outside backward is a new call, whose seed
+    ``fresh(tag)`` (an int, or a seed tensor) is kept under its tag; a call inside backward is a rerun and gets the
+    seed kept under its tag, or an error if there is none. Each call draws exactly one tag either way, so the
+    generator stays in step for the region's other random ops.
     """
 
     # Calls of one layer whose rerun may still be to come: micro-batches in flight times calls per forward.
     KEPT = 64
 
     def __init__(self) -> None:
-        self._seeds: OrderedDict[int, int] = OrderedDict()
+        self._seeds: OrderedDict[int, torch.Tensor | int] = OrderedDict()
 
-    def __call__(self, fresh: Callable[[int], int]) -> int:
-        tag = new_seed()
+    def __call__(self, fresh: Callable[[int], torch.Tensor | int], tag: int | None = None) -> torch.Tensor | int:
+        tag = new_seed() if tag is None else tag
         # The autograd engine's graph task of this thread: -1 outside a backward pass (checkpointing asks the same).
         if torch._C._current_graph_task_id() == -1:
             seed = self._seeds[tag] = fresh(tag)
@@ -193,3 +260,38 @@ class CallSeeds:
                 "layer ran between a forward and its rerun (raise parallel_lora.dropout.CallSeeds.KEPT)."
             )
         return seed
+
+
+class DropoutStream:
+    """A layer's dropout seeds: a fresh device seed per forward call, its forward's again in a checkpoint rerun.
+
+    ``next_seed(x) -> [1] int64`` on ``x``'s device. Eager: ``draw_seed`` (the device's default generator), kept
+    under a tag from the CPU generator (``CallSeeds``; on the CPU the seed's own value, which costs no sync and no
+    second draw), so that a rerun inside backward gets the forward's seed back, or a clear error where the
+    checkpoint did not preserve the RNG state. A rerun draws too and drops the draw: the generators advance alike in
+    the forward and its rerun, so the region's other random ops (``nn.Dropout``) rerun with their own masks. Under
+    torch.compile: the ``parallel_lora::dropout_seed`` op, with no bookkeeping (AOTAutograd replays the draw with
+    the forward's generator state where it recomputes a checkpointed region), so compiled and eager calls draw the
+    same seeds; off the CPU the eager path's tags also advance the CPU generator, which compiled calls leave alone.
+
+    Seeds follow the generator, as ``nn.Dropout``'s masks do: ``torch.manual_seed`` (or restoring its state)
+    replays them, and two copies of a model draw alike from the same generator state. ``offset`` (an int below
+    2**62, default 0) is added to every seed: streams that must not share masks on generators in the same state
+    (e.g. data-parallel replicas of a tensor-parallel layer) take different offsets.
+    """
+
+    def __init__(self, offset: int = 0) -> None:
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < SEED_BOUND:
+            raise ValueError(f"offset must be an int in [0, 2**62), got {offset!r}")
+        self.offset = offset
+        self._calls = CallSeeds()
+
+    def next_seed(self, x: torch.Tensor) -> torch.Tensor:
+        """The seed of this forward call on ``x`` (the layer's input), ``[1]`` int64 on its device, in
+        ``[0, 2**63)``."""
+        if torch.compiler.is_compiling():
+            seed = draw_seed(x)
+        else:
+            drawn = draw_seed(x)
+            seed = self._calls(lambda tag: drawn, int(drawn.item()) if x.device.type == "cpu" else None)
+        return seed + self.offset if self.offset else seed

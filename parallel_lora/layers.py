@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import LoRAConfig
-from .dropout import CallSeeds, Dropout
+from .dropout import CallSeeds, Dropout, DropoutStream
 from .functional import check_inputs, linear, lora_linear_local, resolve_backend
 from .log import logger
 
@@ -68,11 +68,23 @@ def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tenso
 def make_dropout(
     config: LoRAConfig, training: bool, seeds: CallSeeds, fresh: Callable[[int], int], k_offset: int = 0
 ) -> Dropout | None:
-    """The dropout of one forward call, or ``None`` when it is inactive (eval mode, p = 0). Its seed comes from
-    the layer's ``seeds``: ``fresh(tag)`` for a new call, the forward's again in an activation-checkpoint rerun."""
+    """The dropout of one forward call with a host-side seed, or ``None`` when it is inactive (eval mode, p = 0):
+    ``fresh(tag)`` for a new call, the forward's again in an activation-checkpoint rerun (``seeds``). The
+    tensor-parallel layers' until their seeds come from a ``DropoutStream`` (``stream_dropout``)."""
     if not training or config.dropout == 0.0:
         return None
     return Dropout(p=config.dropout, seed=seeds(fresh), position=config.dropout_position, k_offset=k_offset)
+
+
+def stream_dropout(
+    config: LoRAConfig, training: bool, stream: DropoutStream, x: torch.Tensor, k_offset: int = 0
+) -> Dropout | None:
+    """The dropout of one forward call on ``x``, or ``None`` when it is inactive (eval mode, p = 0); its seed is the
+    ``stream``'s next on x's device (a fresh device draw, or the forward's in an activation-checkpoint rerun)."""
+    if not training or config.dropout == 0.0:
+        return None
+    seed = stream.next_seed(x)
+    return Dropout(p=config.dropout, seed=seed, position=config.dropout_position, k_offset=k_offset)
 
 
 class LoRAFactor(nn.Linear):
@@ -119,7 +131,7 @@ class LoRALinear(nn.Module):
         self.lora_B = LoRAFactor(r, self.out_features, **factory)
         self.merged = False
         self.adapter_enabled = True
-        self._call_seeds = CallSeeds()
+        self._dropout_stream = DropoutStream()
         self.reset_lora_parameters()
 
     @classmethod
@@ -167,8 +179,7 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A.weight, self.lora_B.weight
         check_inputs(x, self.weight, self.bias, A, B, self.scale)
         backend = resolve_backend(self.config.backend, x.device)
-        # The seed of a new call is its tag: a fresh draw from the CPU generator.
-        dropout = make_dropout(self.config, self.training, self._call_seeds, lambda tag: tag)
+        dropout = stream_dropout(self.config, self.training, self._dropout_stream, x)
         return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, dropout, backend)
 
     def extra_repr(self) -> str:

@@ -1,10 +1,11 @@
 """Tests for ``parallel_lora.dropout``: the counter-based mask hash, on the torch side (CPU).
 
-The Triton transcription is checked bit for bit against this one in ``tests/test_kernels.py``; here the hash's
-arithmetic is checked against plain Python integers, and its statistics against those of independent fair
-coins, on ~1M elements: a bad hash (a weak combine of row and column, a seed word that does not reach the
+The Triton transcription is checked bit for bit against this one in ``tests/test_kernels_dropout_mask.py``; here
+the hash's arithmetic is checked against plain Python integers, and its statistics against those of independent
+fair coins, on ~1M elements: a bad hash (a weak combine of row and column, a seed word that does not reach the
 mask, a period along an axis, seeds that only permute the mask) fails these. The hash is deterministic, so the
-bounds (5 to 7 sigma) never flake.
+bounds (5 to 7 sigma) never flake. Last, the seeds: ints and their device tensors key the same mask, and
+``DropoutStream`` draws a fresh one per call from the generator, compiled or not.
 """
 
 from __future__ import annotations
@@ -15,7 +16,18 @@ import random
 import pytest
 import torch
 
-from parallel_lora.dropout import Dropout, _mul32, fmix32, hash_bits, hash_keys, hash_uniform, keep_mask
+from parallel_lora.dropout import (
+    Dropout,
+    DropoutStream,
+    _mul32,
+    draw_seed,
+    fmix32,
+    hash_bits,
+    hash_keys,
+    hash_uniform,
+    keep_mask,
+    seed_tensor,
+)
 
 M32 = 0xFFFFFFFF
 ROWS = COLS = 1024  # ~1M elements
@@ -186,7 +198,7 @@ def test_seed_hi_alone_changes_both_keys_and_the_mask():
     k_row_hi, k_col_hi = hash_keys(7 + 2**32)
     assert k_row != k_row_hi and k_col != k_col_hi
     assert not torch.equal(_mask(7, 0.5, 64, 64), _mask(7 + 2**32, 0.5, 64, 64))
-    assert hash_keys(2**64 + 7) == hash_keys(7)  # the seed is taken mod 2**64, like split_seed
+    assert hash_keys(2**64 + 7) == hash_keys(7)  # the seed is taken mod 2**64, as seed_tensor takes it
 
 
 def test_key_schedule_is_injective_on_a_sample():
@@ -206,3 +218,52 @@ def test_32_bit_collisions_are_as_rare_as_for_a_random_function(rows, cols):
     collisions = n - torch.unique(h).numel()
     expected = n * (n - 1) / 2**33
     assert abs(collisions - expected) < 6 * math.sqrt(expected), f"{collisions} collisions, expected ~{expected:.0f}"
+
+
+# ------------------------------------------------------------------------------------------- seeds
+@pytest.mark.parametrize("traced", [False, True], ids=["cpu-value", "tensor-arithmetic"])
+def test_a_tensor_seed_keys_the_mask_of_its_int(traced, monkeypatch):
+    # A [1] int64 tensor holds the seed mod 2**64 (two's complement). On the CPU its value is read (no sync);
+    # on a GPU, or under torch.compile (simulated here), the keys are computed by tensor ops on the device.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+    m, k = torch.arange(64).unsqueeze(1), torch.arange(100, 164).unsqueeze(0)
+    for seed in [*SEEDS, 2**63, 2**64 - 1, 2**64 + 3]:
+        t = seed_tensor(seed, "cpu")
+        assert t.dtype == torch.int64 and t.shape == (1,)
+        keys = hash_keys(t)
+        assert all(isinstance(key, torch.Tensor) == traced for key in keys)
+        assert [int(key) for key in keys] == list(hash_keys(seed))
+        assert torch.equal(hash_uniform(t, m, k), hash_uniform(seed, m, k))
+        assert torch.equal(keep_mask(Dropout(0.3, t), 40, 48, "cpu"), keep_mask(Dropout(0.3, seed), 40, 48, "cpu"))
+
+
+def test_the_stream_draws_a_fresh_seed_per_call_that_the_generator_replays():
+    x = torch.zeros(2, 3)
+    torch.manual_seed(5)
+    stream = DropoutStream()
+    seeds = [stream.next_seed(x) for _ in range(4)]
+    assert all(s.dtype == torch.int64 and s.shape == (1,) and 0 <= int(s) < 2**62 for s in seeds)
+    assert len({int(s) for s in seeds}) == 4
+    torch.manual_seed(5)
+    again = DropoutStream()  # another layer (or a copy) from the same generator state: the same seeds
+    assert [int(again.next_seed(x)) for _ in range(4)] == [int(s) for s in seeds]
+    torch.manual_seed(5)
+    shifted = DropoutStream(offset=2**61)
+    assert [int(shifted.next_seed(x)) for _ in range(4)] == [int(s) + 2**61 for s in seeds]
+
+
+@pytest.mark.parametrize("offset", [-1, 2**62, 1.5, True])
+def test_a_bad_stream_offset_raises_value_error(offset):
+    with pytest.raises(ValueError, match=r"offset must be an int in \[0, 2\*\*62\)"):
+        DropoutStream(offset=offset)
+
+
+def test_compiled_draws_are_the_eager_draws():
+    # Inductor would lower a traced randint to its own generator; the draw is an opaque op, so Inductor calls
+    # torch's generator as the eager path does.
+    x = torch.zeros(4)
+    torch.manual_seed(3)
+    eager = [draw_seed(x) for _ in range(3)]
+    compiled = torch.compile(draw_seed, fullgraph=True)
+    torch.manual_seed(3)
+    assert [int(compiled(x)) for _ in range(3)] == [int(s) for s in eager]
