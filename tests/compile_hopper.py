@@ -67,7 +67,7 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
     x, dy = torch.randn(M, K, dtype=dt), torch.randn(M, N, dtype=dt)
     W, A, B = torch.randn(N, K, dtype=dt), torch.randn(r, K, dtype=dt), torch.randn(N, r, dtype=dt)
     S, G = torch.randn(M, r, dtype=dt), torch.randn(M, r, dtype=dt)
-    drop = {"p": 0.1, "seed": 1}
+    drop = {"p": 0.1, "seed": torch.tensor([1])}  # the call's seed, [1] int64 (read in device memory)
     calls = {
         "gemm_y": lambda: gemm.lora_gemm(x, W.t(), None, S, B.t()),
         "gemm_dx": lambda: gemm.lora_gemm(dy, W, None, G, A),

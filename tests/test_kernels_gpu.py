@@ -279,7 +279,8 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
     M, K, N = 4096, 1024, 512
     x, dy = (torch.randn(M, n, device="cuda", dtype=torch.bfloat16) for n in (K, N))
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    adapter_grads.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=1, drop_x=True)
+    seed = torch.tensor([1], device="cuda")  # the call's seed, read in device memory
+    adapter_grads.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=seed, drop_x=True)
     assert checked
 
 
@@ -323,14 +324,15 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     M, K, N = 4096, 1024, 512
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seed = torch.tensor([1], device="cuda")  # the call's seed, read in device memory
     if op == "dx_grads":
-        dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=1, lora_drop=True)
+        dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, s_lora, p=0.1, seed=seed, lora_drop=True)
     elif op == "dx_grads_db_sums":
         parts = torch.zeros(shrink_db.db_blocks(M) * N * r, device="cuda")
         dx_grads.lora_dx_and_grads(dy, weight, False, g, lora_A, x, None, db_partials=parts,
-                                   db_parts=shrink_db.db_blocks(M), p=0.1, seed=1, lora_drop=True)  # fmt: skip
+                                   db_parts=shrink_db.db_blocks(M), p=0.1, seed=seed, lora_drop=True)  # fmt: skip
     elif op == "shrink_db":
-        shrink_db.lora_shrink_db(dy, lora_B, s_lora, 2.0, p=0.1, seed=1, drop_post=True)
+        shrink_db.lora_shrink_db(dy, lora_B, s_lora, 2.0, p=0.1, seed=seed, drop_post=True)
     else:
-        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=1, drop_post=True)
+        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=seed, drop_post=True)
     assert checked

@@ -28,8 +28,9 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .blocks import reduce_item
+from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
-from .host import cdiv, dot_options, next_pow2, pad_rank, split_seed
+from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -65,7 +66,7 @@ REDUCE_M_ALIGN_GPU = 128
 REDUCE_M_ALIGN_INTERP = 32
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "f_offset"])
+@triton.jit(do_not_specialize=["f_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_adapter_grads_kernel(
     # pointers: problem a (dA: x, G) and problem b (dB: dy, S), the partials and the arrival counters
     fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
@@ -74,17 +75,18 @@ def _lora_adapter_grads_kernel(
     # strides
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
-    # runtime scalars (changing them never recompiles)
-    scale_a, p, seed_lo, seed_hi, f_offset,
+    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
+    scale_a, p, seed_ptr, f_offset,
     # compile-time
     DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
+    k_row, k_col = mask_keys(seed_ptr, DROP_A)
     reduce_item(
         tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
         M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf,
         stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, scale_a, p,
-        seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+        k_row, k_col, f_offset, DROP_A, ODD_OFFSET, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
         None,
     )  # fmt: skip
 
@@ -144,7 +146,7 @@ def lora_adapter_grads(
     s_lora: torch.Tensor | None,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     f_offset: int = 0,
     drop_x: bool = False,
     site: Site | None = None,
@@ -152,8 +154,9 @@ def lora_adapter_grads(
     """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
     from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in the operands' (one) dtype. Pass ``None`` for
     both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with ``drop_x`` (the "pre"
-    mask of x's columns shifted by ``f_offset``), else 1. ``M == 0`` gives zeros. Inputs are assumed checked
-    by the caller, which passes a ``site`` bound to this operand layout (filled here at its first call)."""
+    mask of x's columns shifted by ``f_offset``, keyed by ``seed``), else 1. ``M == 0`` gives zeros. Inputs are
+    assumed checked by the caller, which passes a ``site`` bound to this operand layout (filled here at its first
+    call)."""
     want_a, want_b = x is not None, dy is not None
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora)
     M, R = g_a.shape
@@ -171,9 +174,8 @@ def lora_adapter_grads(
         count = stream_buffer(COUNTERS, dev, F_A + F_B, torch.int32, zeroed=True)
     else:
         ws, count = out_a, out_a  # never touched with one split
-    seed_lo, seed_hi = split_seed(seed)
     tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
-    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_lo, seed_hi, int(f_offset))
+    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_arg(seed, feat_a), int(f_offset))
     launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset,
            info=(split, m_per_split, partials))  # fmt: skip
     return dA, dB

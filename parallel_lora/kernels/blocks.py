@@ -144,7 +144,7 @@ def store_tile(
 def gemm_tiles(
     x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
     stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-    keep_scale, p, seed_lo, seed_hi, n_offset, first_tile, tile_step,
+    keep_scale, p, k_row, k_col, n_offset, first_tile, tile_step,
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
     RANK_TMA: tl.constexpr, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -181,7 +181,7 @@ def gemm_tiles(
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
                              stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
-            acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
+            acc = drop_tile(acc * keep_scale, k_row, k_col, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
         acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_out += tile_step
         pid_m, pid_n = tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
@@ -205,7 +205,7 @@ def gemm_tiles(
 
 @triton.jit
 def shrink_rows(
-    x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
+    x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col,
     k_offset, DROP_PRE: tl.constexpr, ODD_OFFSET: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, X_TMA: tl.constexpr,
@@ -237,7 +237,7 @@ def shrink_rows(
             x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
         if DROP_PRE:
-            x = drop_tile(x, seed_lo, seed_hi, p, offs_m, k_offset + k0, ODD_OFFSET)
+            x = drop_tile(x, k_row, k_col, p, offs_m, k_offset + k0, ODD_OFFSET)
         if UPCAST:
             x = x.to(tl.float32)
             u = u.to(tl.float32)
@@ -246,7 +246,7 @@ def shrink_rows(
         u_ptrs += BLOCK_K * stride_uk
 
     if DROP_POST:
-        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
+        acc = drop_tile(acc, k_row, k_col, p, offs_m, 0, False)
     return acc * out_scale
 
 
@@ -258,7 +258,7 @@ def shrink_rows(
 @triton.jit
 def reduce_tile(
     feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
-    p, seed_lo, seed_hi, f_offset,
+    p, k_row, k_col, f_offset,
     DROP_FEAT: tl.constexpr, ODD_OFFSET: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
     STAGES: tl.constexpr,
@@ -293,7 +293,7 @@ def reduce_tile(
             other=0.0,
         )
         if DROP_FEAT:
-            ft = drop_tile(ft, seed_lo, seed_hi, p, offs_m, f_offset + tile_f * BLOCK_F, ODD_OFFSET)
+            ft = drop_tile(ft, k_row, k_col, p, offs_m, f_offset + tile_f * BLOCK_F, ODD_OFFSET)
         if UPCAST:
             ft = ft.to(tl.float32)
             gt = gt.to(tl.float32)
@@ -335,7 +335,7 @@ def reduce_item(
     M, F_A, F_B, R, m_per_split, num_splits,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
-    scale_a, p, seed_lo, seed_hi, f_offset,
+    scale_a, p, k_row, k_col, f_offset,
     DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
     STAGES: tl.constexpr,
@@ -349,7 +349,7 @@ def reduce_item(
     if tile < tiles_a:
         acc = reduce_tile(
             fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
-            p, seed_lo, seed_hi, f_offset, DROP_A, ODD_OFFSET, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
+            p, k_row, k_col, f_offset, DROP_A, ODD_OFFSET, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
             STAGES,
         )  # fmt: skip
         finish_tile(
@@ -360,7 +360,7 @@ def reduce_item(
         tile_b = tile - tiles_a
         acc = reduce_tile(
             fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
-            p, seed_lo, seed_hi, 0, False, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
+            p, k_row, k_col, 0, False, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
         )  # fmt: skip
         finish_tile(
             acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,

@@ -16,8 +16,9 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
               take at most 64 MiB: shrink_db)
 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
-regenerated from ``dropout.seed`` in both passes (never stored); seed, p and s are runtime kernel
-arguments. The oracle is ``parallel_lora.eager``.
+regenerated from ``dropout.seed`` in both passes (never stored): a ``[1]`` int64 tensor on the operands' device
+that the kernels read in device memory (an int seed is copied there first); p and s are runtime kernel arguments.
+The oracle is ``parallel_lora.eager``.
 
 Each op call is keyed by its operands' layouts (``forward_key`` / ``backward_key``); a layout's first call
 checks the operands and fills one ``launcher.Site`` per launch, and later calls launch the bound kernels.
@@ -30,7 +31,7 @@ import math
 import torch
 
 from ..backend import interpreting
-from ..dropout import P_RANGE, Dropout, valid_p
+from ..dropout import P_RANGE, Dropout, seed_tensor, valid_p
 from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
@@ -110,6 +111,24 @@ def _check_scalars(scale, dropout) -> None:
             raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
         if dropout.k_offset < 0:
             raise ValueError(f"dropout.k_offset must be >= 0, got {dropout.k_offset}")
+        seed = dropout.seed
+        if isinstance(seed, torch.Tensor) and (seed.dtype != torch.int64 or seed.numel() != 1):
+            raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed.dtype} "
+                             f"of shape {_shape(seed)}")  # fmt: skip
+        if not isinstance(seed, (torch.Tensor, int)) or isinstance(seed, bool):
+            raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed!r}")
+
+
+def _seed(drop: Dropout | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The active mask's seed as the kernels read it: a tensor on x's device (an int is copied there)."""
+    if drop is None:
+        return None
+    seed = drop.seed
+    if not isinstance(seed, torch.Tensor):
+        return seed_tensor(seed, x.device)
+    if seed.device != x.device:
+        raise ValueError(f"dropout.seed must be on the operands' device {x.device}, got {seed.device}")
+    return seed
 
 
 def _device_key(x: torch.Tensor) -> tuple[int, int]:
@@ -181,8 +200,8 @@ def _active(dropout: Dropout | None) -> Dropout | None:
     return dropout if dropout is not None and dropout.p > 0.0 else None
 
 
-def _drop_kwargs(dropout: Dropout | None) -> dict:
-    return {} if dropout is None else {"p": dropout.p, "seed": dropout.seed}
+def _drop_kwargs(dropout: Dropout | None, seed: torch.Tensor | None) -> dict:
+    return {} if dropout is None else {"p": dropout.p, "seed": seed}
 
 
 def forward(
@@ -215,19 +234,20 @@ def forward(
         sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None)
     pre = mode == "pre"
     k_offset = drop.k_offset if pre else 0
+    drop_kw = _drop_kwargs(drop, _seed(drop, x))
     w_nk = sites[2]
     if w_nk is not None:
         w = weight if w_nk else weight.t()
         y, s_lora = lora_shrink_gemm(
             x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_post=mode == "post",
-            **_drop_kwargs(drop), site=sites[0],
+            **drop_kw, site=sites[0],
         )  # fmt: skip
         if key is not None:
             _FORWARD_SITES[key] = sites
         return y, s_lora
     s_lora = lora_shrink(
         x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=k_offset,
-        **_drop_kwargs(drop), site=sites[0],
+        **drop_kw, site=sites[0],
     )  # fmt: skip
     y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=sites[1])
     if key is not None:  # stored once filled: another thread never reads a half-bound site
@@ -273,33 +293,34 @@ def backward(
         db_in_g = fused and needs_dB and not pre and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
         entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
     *sites, w_nk, db_in_g = entry
+    drop_kw = _drop_kwargs(drop, _seed(drop, dy))
     dx = dA = dB = None
     g, pdb, blocks = None, None, 0
     if db_in_g:
         # G and dB's partials from one read of dy: the dx launch then sums those instead of reading dy for dB.
         g, pdb, blocks = lora_shrink_db(
-            dy, lora_B, s_lora, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0]
+            dy, lora_B, s_lora, float(scale), drop_post=mode == "post", **drop_kw, site=sites[0]
         )
     elif needs_dx or needs_dA:
-        g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **_drop_kwargs(drop), site=sites[0])
+        g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **drop_kw, site=sites[0])
     if w_nk is not None:
         # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
         w = weight.t() if w_nk else weight
         dx, dA, dB = lora_dx_and_grads(
             dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB and not db_in_g else None,
-            lora_drop=pre, k_offset=k_offset, db_partials=pdb, db_parts=blocks, **_drop_kwargs(drop), site=sites[1],
+            lora_drop=pre, k_offset=k_offset, db_partials=pdb, db_parts=blocks, **drop_kw, site=sites[1],
         )  # fmt: skip
     else:
         # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
         # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
         if needs_dx:
-            dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **_drop_kwargs(drop),
+            dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **drop_kw,
                            site=sites[1])  # fmt: skip
         if needs_dA or needs_dB:
             dA, dB = lora_adapter_grads(
                 x if needs_dA else None, g if needs_dA else None,
                 dy if needs_dB else None, s_lora if needs_dB else None,
-                drop_x=pre, f_offset=k_offset, **_drop_kwargs(drop), site=sites[2],
+                drop_x=pre, f_offset=k_offset, **drop_kw, site=sites[2],
             )  # fmt: skip
     if key is not None:  # stored once filled: another thread never reads a half-bound site
         _BACKWARD_SITES[key] = entry

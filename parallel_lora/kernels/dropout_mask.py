@@ -5,7 +5,8 @@ Element ``(m, c)`` of a dropped tensor is kept iff ``u(m, c) >= p`` with (uint32
     h(m, w) = fmix32(fmix32(m ^ k_row) + fmix32(w ^ k_col)),    u(m, c) = half(h(m, c >> 1), c & 1) * 2**-16
 
 where ``half(h, 0)`` / ``half(h, 1)`` are the low / high 16 bits of ``h``, ``fmix32`` is murmur3's finalizer,
-``(k_row, k_col)`` are derived from the 64-bit seed once per program (``parallel_lora.dropout.hash_keys``), and
+``(k_row, k_col)`` are derived from the 64-bit seed once per program (``mask_keys``, which loads the seed from the
+``[1]`` int64 tensor a kernel's ``seed_ptr`` points to: ``parallel_lora.dropout.hash_keys``), and
 ``c`` is the *global* column (``k_offset + k`` for "pre" on ``x [M, K]``, ``j`` in ``[0, r)`` for "post" on
 ``x A^T [M, r]``). This is ``parallel_lora.dropout.hash_uniform`` (the eager path), bit for bit. Masks are never
 stored: each kernel that needs one regenerates its tile from the seed (``drop_tile``).
@@ -24,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout
-from .host import cdiv, split_seed
+from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout, seed_tensor
+from .host import cdiv
 
 _FMIX_M1 = tl.constexpr(FMIX_M1)
 _FMIX_M2 = tl.constexpr(FMIX_M2)
@@ -45,17 +46,28 @@ def fmix32(x):
 
 
 @triton.jit
-def hash_tile(seed_lo, seed_hi, rows, cols):
-    """uint32 hash of the broadcast tile of ``rows`` (global row indices) x ``cols`` (global column indices);
-    see the module docstring. One operand is normally a column vector and the other a row vector, so the
-    two inner hashes run once per row / column and only the add and the outer fmix32 run per element."""
-    # Key schedule (scalars, once per program): the seed travels as two int32 halves (one compiled variant
-    # for every seed); mixed so that every seed bit reaches both keys (parallel_lora.dropout.hash_keys).
-    lo = seed_lo.to(tl.uint32, bitcast=True)
-    hi = seed_hi.to(tl.uint32, bitcast=True)
-    t = fmix32(tl.add(lo, _GOLDEN32, sanitize_overflow=False))
-    k_row = fmix32(hi ^ t)
-    k_col = fmix32(tl.add(t, k_row, sanitize_overflow=False))
+def mask_keys(seed_ptr, ACTIVE: tl.constexpr):
+    """The call's keys ``(k_row, k_col)`` (uint32 scalars) from its seed, an int64 at ``seed_ptr`` read once per
+    program, so a captured CUDA graph reads each replay's seed (parallel_lora.dropout.hash_keys: every seed bit
+    reaches both keys); ``(0, 0)`` and no load when no mask is ``ACTIVE`` (then ``seed_ptr`` may point anywhere)."""
+    k_row = 0
+    k_col = 0
+    if ACTIVE:
+        seed = tl.load(seed_ptr)
+        lo = seed.to(tl.uint32)  # the low word (an integer narrowing truncates)
+        hi = (seed >> 32).to(tl.uint32)
+        t = fmix32(tl.add(lo, _GOLDEN32, sanitize_overflow=False))
+        k_row = fmix32(hi ^ t)
+        k_col = fmix32(tl.add(t, k_row, sanitize_overflow=False))
+    return k_row, k_col
+
+
+@triton.jit
+def hash_tile(k_row, k_col, rows, cols):
+    """uint32 hash of the broadcast tile of ``rows`` (global row indices) x ``cols`` (global column indices) under
+    the call's keys (``mask_keys``); see the module docstring. One operand is normally a column vector and the
+    other a row vector, so the two inner hashes run once per row / column and only the add and the outer fmix32 run
+    per element."""
     # Indices are non-negative; .to(uint32) is a bitcast for int32 and keeps the low word of an int64.
     r = fmix32(rows.to(tl.uint32) ^ k_row)
     c = fmix32(cols.to(tl.uint32) ^ k_col)
@@ -63,19 +75,19 @@ def hash_tile(seed_lo, seed_hi, rows, cols):
 
 
 @triton.jit
-def uniform_tile(seed_lo, seed_hi, rows, cols):
+def uniform_tile(k_row, k_col, rows, cols):
     """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` x ``cols``, one hash per element (for tests:
     the kernels draw two elements per hash through ``drop_tile``): the half ``cols & 1`` of ``h(rows, cols >> 1)``
     times ``2**-16`` (exact)."""
     c = cols.to(tl.uint32)
-    h = hash_tile(seed_lo, seed_hi, rows, c >> 1)
+    h = hash_tile(k_row, k_col, rows, c >> 1)
     return ((h >> ((c & 1) * 16)) & 0xFFFF).to(tl.float32) * 1.52587890625e-05
 
 
 @triton.jit
-def drop_tile(t, seed_lo, seed_hi, p, rows, first_col, ODD: tl.constexpr):
+def drop_tile(t, k_row, k_col, p, rows, first_col, ODD: tl.constexpr):
     """``t [BM, BN]`` with its dropped elements zeroed: element ``(i, j)`` is row ``rows[i]`` (global, ``[BM]``)
-    and global column ``first_col + j``, kept iff ``u >= p``.
+    and global column ``first_col + j``, kept iff ``u >= p`` under the call's keys (``mask_keys``).
 
     The tile is split into its even and odd columns. With ``first_col`` even (every tile, unless a shard starts
     on an odd column) each pair of columns is one hash word, its low and high half; with ``first_col`` odd
@@ -91,18 +103,18 @@ def drop_tile(t, seed_lo, seed_hi, p, rows, first_col, ODD: tl.constexpr):
     even, odd = tl.split(tl.reshape(t, (BM, BN // 2, 2)))
     # The even local columns' global indices (int32 wrap-around is the "mod 2**32" of the eager mask).
     cols = (first_col + 2 * tl.arange(0, BN // 2)).to(tl.uint32)
-    h = hash_tile(seed_lo, seed_hi, rows[:, None], (cols >> 1)[None, :])
+    h = hash_tile(k_row, k_col, rows[:, None], (cols >> 1)[None, :])
     if not ODD:
         even = tl.where((h << 16) >= threshold, even, tl.zeros_like(even))  # column 2w: the word's low half
         odd = tl.where(h >= threshold, odd, tl.zeros_like(odd))  # column 2w + 1: its high half
     else:
         even = tl.where(h >= threshold, even, tl.zeros_like(even))  # an odd global column: its word's high half
-        h = hash_tile(seed_lo, seed_hi, rows[:, None], ((cols >> 1) + 1)[None, :])
+        h = hash_tile(k_row, k_col, rows[:, None], ((cols >> 1) + 1)[None, :])
         odd = tl.where((h << 16) >= threshold, odd, tl.zeros_like(odd))  # the next column: the next word's low
     return tl.reshape(tl.join(even, odd), (BM, BN))
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "col_offset"])
+@triton.jit(do_not_specialize=["col_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_dropout_mask_kernel(
     out_ptr,  # [rows, cols] uint8 keep-mask, or fp32 uniforms when WRITE_UNIFORM
     rows,
@@ -110,8 +122,7 @@ def _lora_dropout_mask_kernel(
     stride_om,
     stride_oc,
     p,
-    seed_lo,
-    seed_hi,
+    seed_ptr,  # [1] int64, the call's seed
     col_offset,
     WRITE_UNIFORM: tl.constexpr,
     ODD_OFFSET: tl.constexpr,  # col_offset is odd
@@ -122,23 +133,25 @@ def _lora_dropout_mask_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :] * stride_oc
     in_bounds = (offs_m[:, None] < rows) & (offs_c[None, :] < cols)
+    k_row, k_col = mask_keys(seed_ptr, True)
     if WRITE_UNIFORM:
-        u = uniform_tile(seed_lo, seed_hi, offs_m[:, None], col_offset + offs_c[None, :])
+        u = uniform_tile(k_row, k_col, offs_m[:, None], col_offset + offs_c[None, :])
         tl.store(ptrs, u, mask=in_bounds)
     else:  # the kernels' own helper, so tests of this mask cover drop_tile (odd column offsets too)
-        keep = drop_tile(tl.full((BLOCK_M, BLOCK_C), 1, tl.uint8), seed_lo, seed_hi, p, offs_m,
+        keep = drop_tile(tl.full((BLOCK_M, BLOCK_C), 1, tl.uint8), k_row, k_col, p, offs_m,
                          col_offset + tl.program_id(1) * BLOCK_C, ODD_OFFSET)  # fmt: skip
         tl.store(ptrs, keep, mask=in_bounds)
 
 
-def _draw(seed: int, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
+def _draw(seed, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
     out = torch.empty(rows, cols, device=device, dtype=torch.float32 if uniform else torch.uint8)
     if rows == 0 or cols == 0:
         return out
-    seed_lo, seed_hi = split_seed(seed)
+    if not isinstance(seed, torch.Tensor):
+        seed = seed_tensor(seed, device)
     grid = (cdiv(rows, 32), cdiv(cols, 32))
     _lora_dropout_mask_kernel[grid](
-        out, rows, cols, out.stride(0), out.stride(1), float(p), seed_lo, seed_hi, int(col_offset),
+        out, rows, cols, out.stride(0), out.stride(1), float(p), seed, int(col_offset),
         WRITE_UNIFORM=uniform, ODD_OFFSET=col_offset % 2 == 1, BLOCK_M=32, BLOCK_C=32,
     )  # fmt: skip
     return out
@@ -155,7 +168,7 @@ def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.devi
     return _draw(dropout.seed, dropout.p, rows, cols, offset, device, uniform=False).view(torch.bool)
 
 
-def hash_uniform(seed: int, rows: int, cols: int, col_offset: int, device) -> torch.Tensor:
-    """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]`` (to check the eager
-    ``parallel_lora.dropout.hash_uniform`` bit for bit)."""
+def hash_uniform(seed, rows: int, cols: int, col_offset: int, device) -> torch.Tensor:
+    """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]``, for ``seed`` (an int, or a ``[1]``
+    int64 tensor on ``device``), to check the eager ``parallel_lora.dropout.hash_uniform`` bit for bit."""
     return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)

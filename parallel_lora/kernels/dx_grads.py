@@ -29,8 +29,9 @@ import triton.language as tl
 from ..backend import interpreting
 from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, reduce_smem, split_rows
 from .blocks import gemm_tiles, reduce_item
+from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
-from .host import dot_options, pad_rank, split_seed
+from .host import dot_options, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -88,7 +89,7 @@ def sum_partials(
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=f_in[:, None] & (offs_r[None, :] < R))
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+@triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _dx_and_grads_kernel(
     # dx GEMM: dy [M, N], W (as w), G [M, r], A [r, K] -> dx [M, K]
     dy_ptr, w_ptr, g_ptr, a_ptr, dx_ptr,
@@ -102,8 +103,8 @@ def _dx_and_grads_kernel(
     stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, stride_dbf, stride_dbr,
-    # runtime scalars (changing them never recompiles)
-    keep_scale, p, seed_lo, seed_hi, k_offset,
+    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
+    keep_scale, p, seed_ptr, k_offset,
     # compile-time
     W_NK: tl.constexpr, DB_SUMS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
     RANK_TMA: tl.constexpr, F_T: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
@@ -116,11 +117,12 @@ def _dx_and_grads_kernel(
     # As many GEMM programs as keep the number of waves; the rest start on the queue.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N_OUT, BLOCK_N)
     gemm_programs = tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
+    k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
     if pid < gemm_programs:
         gemm_tiles(
             dy_ptr, w_ptr, dx_ptr, g_ptr, a_ptr, dx_ptr, M, N_OUT, K_RED, R,
             stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm, 0,
-            keep_scale, p, seed_lo, seed_hi, k_offset, pid, gemm_programs,
+            keep_scale, p, k_row, k_col, k_offset, pid, gemm_programs,
             W_NK, False, LORA_DROP, ODD_OFFSET, RANK_TMA, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M,
             BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
@@ -143,7 +145,7 @@ def _dx_and_grads_kernel(
             item // num_splits, item % num_splits, fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr,
             count_ptr, M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar,
             stride_oaf, stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr,
-            stride_ws, keep_scale, p, seed_lo, seed_hi, k_offset, LORA_DROP, ODD_OFFSET, A_TMA, B_TMA, R_PAD,
+            stride_ws, keep_scale, p, k_row, k_col, k_offset, LORA_DROP, ODD_OFFSET, A_TMA, B_TMA, R_PAD,
             UPCAST, DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
         )  # fmt: skip
         item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu") - sums
@@ -178,7 +180,7 @@ def lora_dx_and_grads(
     s_lora: torch.Tensor | None,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     k_offset: int = 0,
     lora_drop: bool = False,
     db_partials: torch.Tensor | None = None,
@@ -215,9 +217,8 @@ def lora_dx_and_grads(
         partials = split * (F_A + F_B) * pad_rank(R)
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
-    seed_lo, seed_hi = split_seed(seed)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
-    runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_lo, seed_hi, int(k_offset))
+    runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
            k_offset, info=(split, m_per_split, partials))  # fmt: skip
     return dx, dA, dB

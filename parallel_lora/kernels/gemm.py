@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .dropout_mask import drop_tile
+from .dropout_mask import drop_tile, mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
-from .host import cdiv, dot_options, pad_rank, split_seed
+from .host import cdiv, dot_options, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 
 
@@ -59,7 +59,7 @@ def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
+@triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_gemm_kernel(
     # pointers
     x_ptr,  # [M, K_RED]   activation (x, or dy)
@@ -88,8 +88,7 @@ def _lora_gemm_kernel(
     # runtime scalars (changing them never recompiles)
     keep_scale,  # 1/(1-p), used with LORA_DROP only
     p,
-    seed_lo,
-    seed_hi,
+    seed_ptr,  # [1] int64, the call's seed (read under LORA_DROP only)
     n_offset,  # global column of out's first column (the shard's k_offset), for the "pre" mask
     # compile-time
     HAS_BIAS: tl.constexpr,
@@ -137,7 +136,8 @@ def _lora_gemm_kernel(
         s_ptrs += BLOCK_R * stride_sr
         f_ptrs += BLOCK_R * stride_fr
     if LORA_DROP:
-        acc = drop_tile(acc * keep_scale, seed_lo, seed_hi, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
+        k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
+        acc = drop_tile(acc * keep_scale, k_row, k_col, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
 
     # Base GEMM into the same accumulator.
     offs_k = tl.arange(0, BLOCK_K)
@@ -182,26 +182,26 @@ def lora_gemm(
     f: torch.Tensor,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     n_offset: int = 0,
     lora_drop: bool = False,
     site: Site | None = None,
 ) -> torch.Tensor:
     """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``; any
     strides (``w`` may be ``W.t()``). ``drop`` (when ``lora_drop``) is the "pre" keep-mask of output columns
-    shifted by ``n_offset``, times ``1/(1-p)``. Inputs are assumed checked by the caller, which passes a
+    shifted by ``n_offset``, times ``1/(1-p)``, keyed by ``seed`` (``[1]`` int64). Inputs are assumed checked by the
+    caller, which passes a
     ``site`` bound to this operand layout (filled here at the layout's first call)."""
     M = x.shape[0]
     N_out = w.shape[1]
     out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
     if M == 0 or N_out == 0:
         return out
-    seed_lo, seed_hi = split_seed(seed)
     keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
     # Both kernels take (x, w, bias, s, f, out) and these runtime scalars. The TMA kernel may read w through
     # w.t(): the same address, and a launch reads only the tensors' addresses.
     tensors = (x, w, bias if bias is not None else out, s, f, out)
-    runtime = (float(keep_scale), float(p), seed_lo, seed_hi, int(n_offset))
+    runtime = (float(keep_scale), float(p), seed_arg(seed, x), int(n_offset))
     launch(site, tensors, runtime, _describe, x, w, bias, s, f, out, lora_drop, n_offset)
     return out
 

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .blocks import gemm_tiles
+from .dropout_mask import mask_keys
 from .host import cdiv, dot_options, next_pow2, pad_rank
 from .launcher import KernelSpec
 from .tuning import sm_count
@@ -102,7 +103,7 @@ def tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "n_offset"])
+@triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_gemm_tma_kernel(
     # pointers
     x_ptr,  # [M, K_RED]     activation (x, or dy), unit inner stride
@@ -128,8 +129,7 @@ def _lora_gemm_tma_kernel(
     # runtime scalars (changing them never recompiles)
     keep_scale,
     p,
-    seed_lo,
-    seed_hi,
+    seed_ptr,  # [1] int64, the call's seed (read under LORA_DROP only)
     n_offset,
     # compile-time
     W_NK: tl.constexpr,
@@ -148,10 +148,11 @@ def _lora_gemm_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
     gemm_tiles(
         x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
         stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-        keep_scale, p, seed_lo, seed_hi, n_offset, tl.program_id(0), NUM_SMS,
+        keep_scale, p, k_row, k_col, n_offset, tl.program_id(0), NUM_SMS,
         W_NK, HAS_BIAS, LORA_DROP, ODD_OFFSET, RANK_TMA, F_T, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
         BLOCK_K, GROUP_M,
     )  # fmt: skip
@@ -224,7 +225,7 @@ def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
 def describe_tma_gemm(x, w, w_nk, bias, s, f, out, lora_drop: bool, odd_offset: bool) -> tuple:
     """The TMA kernel's launch (``launcher.launch``'s ``describe``) for ``out [M, N_out] = x @ (w.T if w_nk else
     w) (+ bias) + drop(s @ f)``; operands checked by ``tma_compatible`` and the caller (``gemm.lora_gemm``), whose
-    pointer arguments and runtime scalars (``keep_scale, p, seed_lo, seed_hi, n_offset``) it takes."""
+    pointer arguments and runtime scalars (``keep_scale, p, seed_ptr, n_offset``) it takes."""
     M, K_red = x.shape
     N_out = out.shape[1]
     R = s.shape[1]

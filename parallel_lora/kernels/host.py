@@ -1,12 +1,11 @@
 """Host-side arithmetic the launchers share: ceiling division, powers of two, the rank tile, dot options and
-the seed's two halves."""
+the seed pointer."""
 
 from __future__ import annotations
 
 import torch
 
 from ..backend import interpreting
-from ..dropout import MASK32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,18 +36,8 @@ def dot_options(dtype: torch.dtype) -> dict[str, object]:
     }
 
 
-def _as_int32(v: int) -> int:
-    return v - 2**32 if v >= 2**31 else v
-
-
-def split_seed(seed: int) -> tuple[int, int]:
-    """The 64-bit dropout seed (the key of the mask hash, ``dropout_mask.hash_tile``) as two int32 kernel
-    arguments ``(lo, hi)``.
-
-    Triton types a Python int argument by its value (i32 below 2**31, i64 above), so passing the seed
-    whole would compile two kernel variants; two int32 halves (reassembled in-kernel) keep one.
-    """
-    if seed == 0:  # no dropout: the common case, asked by every launch
-        return 0, 0
-    seed = int(seed)
-    return _as_int32(seed & MASK32), _as_int32((seed >> 32) & MASK32)
+def seed_arg(seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """A kernel's ``seed_ptr`` argument: the call's seed (``[1]`` int64 on the launch's device), read in device
+    memory once per program (``dropout_mask.mask_keys``), so one compiled kernel serves every seed and a CUDA graph
+    replays with the seed of each replay; without a mask, ``fallback`` (a tensor of the launch), never read."""
+    return fallback if seed is None else seed

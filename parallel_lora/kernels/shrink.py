@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .blocks import shrink_rows
-from .host import cdiv, dot_options, next_pow2, pad_rank, split_seed
+from .dropout_mask import mask_keys
+from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 
 
@@ -57,7 +58,7 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
     return cfg["BLOCK_M"] <= max(32, next_pow2(nargs["M"]))
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "k_offset"])
+@triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_kernel(
     # pointers
     x_ptr,  # [M, K]
@@ -77,8 +78,7 @@ def _lora_shrink_kernel(
     # runtime scalars (changing them never recompiles)
     out_scale,  # s, times 1/(1-p) when this kernel applies the dropout
     p,
-    seed_lo,
-    seed_hi,
+    seed_ptr,  # [1] int64, the call's seed (read only under a mask)
     k_offset,  # global column of x's first column (the shard's offset), for the "pre" mask
     # compile-time
     DROP_PRE: tl.constexpr,
@@ -91,8 +91,9 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
+    k_row, k_col = mask_keys(seed_ptr, DROP_PRE or DROP_POST)
     acc = shrink_rows(
-        x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, seed_lo, seed_hi,
+        x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col,
         k_offset, DROP_PRE, ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
     )  # fmt: skip
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -125,14 +126,15 @@ def lora_shrink(
     scale: float,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     k_offset: int = 0,
     drop_pre: bool = False,
     drop_post: bool = False,
     site: Site | None = None,
 ) -> torch.Tensor:
     """``x [M, K]``, ``u [K, r]`` (any strides, e.g. ``A.t()``) -> ``c * drop_post(drop_pre(x) @ u) [M, r]``
-    in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``. Inputs are
+    in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``; ``seed`` (``[1]``
+    int64 on x's device) keys the mask. Inputs are
     assumed checked by the caller (``parallel_lora.kernels.dispatch``), which passes a ``site`` bound to this
     operand layout (filled here at the layout's first call)."""
     M = x.shape[0]
@@ -141,8 +143,7 @@ def lora_shrink(
     if M == 0:
         return out
     c = shrink_scale(scale, p, drop_pre or drop_post)
-    seed_lo, seed_hi = split_seed(seed)
-    runtime = (float(c), float(p), seed_lo, seed_hi, int(k_offset))
+    runtime = (float(c), float(p), seed_arg(seed, x), int(k_offset))
     launch(site, (x, u, out), runtime, _describe, x, u, out, drop_pre, drop_post, k_offset)
     return out
 

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .blocks import finish_tile
-from .dropout_mask import drop_tile
-from .host import cdiv, dot_options, pad_rank, split_seed
+from .dropout_mask import drop_tile, mask_keys
+from .host import cdiv, dot_options, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .shrink import shrink_scale
 from .tuning import ATOMIC_SLOT, sm_count
@@ -73,14 +73,15 @@ PROGRAMS_PER_SM = 1
 MAX_SPLITS = 8
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_db_kernel(
     # dy [M, N], B [N, R], S [M, R] -> G [M, R]; the dB partials [blocks, N, R_PAD], the G partials
-    # [splits, M, R_PAD] and the row blocks' arrival counters
+    # [splits, M, R_PAD] and the row blocks' arrival counters; seed_ptr: the call's seed ([1] int64, read under the
+    # mask only)
     dy_ptr, b_ptr, s_ptr, g_ptr, pdb_ptr, pg_ptr, count_ptr,
     M, N, R, n_per_split, num_splits,
     stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr, stride_gm, stride_gr,
-    out_scale, p, seed_lo, seed_hi,
+    out_scale, p, seed_ptr,
     DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -115,7 +116,8 @@ def _lora_shrink_db_kernel(
         part = tl.dot(tl.trans(d), s, input_precision=DOT_PRECISION)
         tl.store(pdb_ptrs + n0 * R_PAD, part, mask=n_in[:, None])
     if DROP_POST:
-        acc = drop_tile(acc, seed_lo, seed_hi, p, offs_m, 0, False)
+        k_row, k_col = mask_keys(seed_ptr, DROP_POST)
+        acc = drop_tile(acc, k_row, k_col, p, offs_m, 0, False)
     # finish_tile takes [R_PAD, columns] tiles: G's rows are its columns here.
     finish_tile(
         tl.trans(acc * out_scale), g_ptr, pg_ptr, count_ptr, block, 0, M, R, block, split, num_splits,
@@ -175,15 +177,15 @@ def lora_shrink_db(
     scale: float,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``dy [M, N]``, ``B [N, r]``, ``S [M, r]`` (one dtype) -> ``(G [M, r], P, blocks)``: ``G = c * drop_post(dy
-    B)`` in dy's dtype (``c = scale / (1 - p)`` with ``drop_post``) and the fp32 partials of ``dB = dy^T S =
-    sum_b P[b, :, :r]``, ``P`` the first ``blocks * N * r_pad`` elements of a flat per-stream workspace, valid
-    until the next launch on the stream. ``M > 0``; inputs checked by the caller, which passes a ``site`` bound
-    to this operand layout."""
+    B)`` in dy's dtype (``c = scale / (1 - p)`` with ``drop_post``, keyed by ``seed``) and the fp32 partials of
+    ``dB = dy^T S = sum_b P[b, :, :r]``, ``P`` the first ``blocks * N * r_pad`` elements of a flat per-stream
+    workspace, valid until the next launch on the stream. ``M > 0``; inputs checked by the caller, which passes a
+    ``site`` bound to this operand layout."""
     M, N = dy.shape
     R = lora_B.shape[1]
     r_pad = pad_rank(R)
@@ -198,9 +200,8 @@ def lora_shrink_db(
     pg = stream_buffer(G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
     count = stream_buffer(G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
-    seed_lo, seed_hi = split_seed(seed)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
-    runtime = (float(c), float(p), seed_lo, seed_hi)
+    runtime = (float(c), float(p), seed_arg(seed, dy))
     launch(site, tensors, runtime, _describe, dy, lora_B, s_lora, g, splits, n_per_split, blocks, drop_post,
            info=(splits, n_per_split, blocks))  # fmt: skip
     return g, pdb, blocks

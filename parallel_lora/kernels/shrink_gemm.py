@@ -31,8 +31,9 @@ import triton.language as tl
 
 from ..backend import interpreting
 from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile, tile_coords
+from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
-from .host import cdiv, dot_options, pad_rank, split_seed
+from .host import cdiv, dot_options, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .shrink import shrink_scale
 from .tuning import ATOMIC_SLOT, sm_count
@@ -65,7 +66,7 @@ def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 @triton.jit
 def _produce(
     x_ptr, u_ptr, s_ptr, flag_ptr, seen, claimed, published, pid_m, M, K_RED, R, stride_xm, stride_uk,
-    stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
+    stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK_K: tl.constexpr,
     S_STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -74,8 +75,8 @@ def _produce(
     if seen < claimed:
         if tl.atomic_cas(flag_ptr, seen, claimed, sem="relaxed", scope="gpu") == seen:
             acc = shrink_rows(
-                x_ptr, u_ptr, pid_m * BLOCK_M, M, K_RED, R, stride_xm, 1, stride_uk, stride_ur, s_scale, p, seed_lo,
-                seed_hi, 0, False, False, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                x_ptr, u_ptr, pid_m * BLOCK_M, M, K_RED, R, stride_xm, 1, stride_uk, stride_ur, s_scale, p, k_row,
+                k_col, 0, False, False, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 True,
             )  # fmt: skip
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,7 +88,7 @@ def _produce(
             tl.atomic_xchg(flag_ptr, published, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
 def _shrink_gemm_kernel(
     # pointers
     x_ptr,  # [M, K_RED]     unit inner stride
@@ -102,8 +103,8 @@ def _shrink_gemm_kernel(
     M, N_OUT, K_RED, R,
     # strides
     stride_xm, stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-    # runtime scalars (changing them never recompiles)
-    s_scale, p, seed_lo, seed_hi,
+    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
+    s_scale, p, seed_ptr,
     # compile-time
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
@@ -124,6 +125,7 @@ def _shrink_gemm_kernel(
     claimed = 2 * epoch + 1
     published = claimed + 1
     flags = sync_ptr + 3
+    k_row, k_col = mask_keys(seed_ptr, DROP_POST)
 
     if pid < spare:
         rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
@@ -131,7 +133,7 @@ def _shrink_gemm_kernel(
             seen = tl.atomic_add(flags + rb, 0, sem="relaxed", scope="gpu")
             _produce(
                 x_ptr, u_ptr, s_ptr, flags + rb, seen, claimed, published, rb, M, K_RED, R, stride_xm, stride_uk,
-                stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST, R_PAD, UPCAST,
+                stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD, UPCAST,
                 DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
             )  # fmt: skip
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
@@ -161,7 +163,7 @@ def _shrink_gemm_kernel(
                 seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
                 _produce(
                     x_ptr, u_ptr, s_ptr, flags + pid_m, seen, claimed, published, pid_m, M, K_RED, R, stride_xm,
-                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, seed_lo, seed_hi, DROP_POST, R_PAD,
+                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD,
                     UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 )  # fmt: skip
                 # Claimed by a running program (maybe this one), which publishes without waiting on anything.
@@ -210,7 +212,7 @@ def lora_shrink_gemm(
     scale: float,
     *,
     p: float = 0.0,
-    seed: int = 0,
+    seed: torch.Tensor | None = None,
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +220,8 @@ def lora_shrink_gemm(
     ``c = scale / (1 - p)`` with the "post" mask, else ``scale`` (as ``shrink.lora_shrink``), and
     ``y = x @ W^T (+ bias) + S @ f`` with ``f = B^T [r, N]``, in one launch. ``w`` is W as the TMA GEMM reads it
     (``[N, K]`` with ``w_nk``, else ``W^T [K, N]``); operands are checked by the caller, TMA-describable
-    (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
+    (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``; ``seed`` (``[1]`` int64) keys the
+    mask."""
     M = x.shape[0]
     R, N = f.shape
     dev, dtype = x.device, x.dtype
@@ -227,9 +230,8 @@ def lora_shrink_gemm(
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
     sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
-    seed_lo, seed_hi = split_seed(seed)
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
-    runtime = (float(c), float(p), seed_lo, seed_hi)
+    runtime = (float(c), float(p), seed_arg(seed, x))
     launch(site, tensors, runtime, _describe, x, w, w_nk, bias, u, s_lora, f, y, drop_post)
     return y, s_lora
 
