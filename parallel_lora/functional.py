@@ -6,7 +6,9 @@ autograd Function, then runs one backend on 2-D views:
     x [*, K] -> y [*, N] = x W^T + b + s * (drop(x) A^T) B^T,   y.dtype == the base output dtype
 
 Saved for backward: ``x`` (the caller's tensor, in the compute dtype; no fp32 copy of a bf16 ``x``), the
-parameters, and ``S = s * drop(x) A^T`` ``[M, r]``. Dropout masks are regenerated from a seed.
+parameters, and ``S = s * drop(x) A^T`` ``[M, r]``. Dropout masks are regenerated from the call's seed (``[1]``
+int64 on the device, ``parallel_lora.dropout``). Under torch.compile(fullgraph=True) the Function traces whole: the
+Triton backend through the ops registered in ``parallel_lora.ops``, the torch backend op by op.
 The tensor-parallel layers call ``lora_linear_local`` on their shards (``parallel_lora.parallel``).
 """
 
@@ -20,37 +22,19 @@ import torch.nn.functional as F
 
 from . import eager
 from .backend import resolve_backend
-from .dropout import P_RANGE, Dropout, new_seed, valid_p
+from .dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
 from .dtypes import autocast_off, canonicalize, cast_to, compute_dtype
-
-_KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
-
-
-def _kernels():
-    if not _KERNELS:
-        from . import kernels
-
-        _KERNELS.append(kernels)
-    return _KERNELS[0]
-
-
-# The fused kernels are opaque to torch.compile: Dynamo cannot trace the launchers' bound kernels (nor, under
-# Triton's interpreter, its numpy), and an autograd Function with an opaque call inside runs eagerly as a whole.
-@torch.compiler.disable
-def _fused_forward(*args):
-    return _kernels().forward(*args)
-
-
-@torch.compiler.disable
-def _fused_backward(*args, **kwargs):
-    return _kernels().backward(*args, **kwargs)
+from .ops import fused_backward, fused_forward
 
 
 def _impl(backend: str) -> tuple[Callable, Callable]:
-    """``(forward, backward)`` of a backend (the kernels check their operands at a layout's first call only)."""
+    """``(forward, backward)`` of a backend (the kernels check their operands at a layout's first call only).
+
+    Under torch.compile the torch backend is traced op by op (Inductor fuses its masks and casts), and the Triton
+    backend is one registered op per pass (``parallel_lora.ops``)."""
     if backend != "triton":
         return eager.forward, eager.backward
-    return _fused_forward, _fused_backward
+    return fused_forward, fused_backward
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -59,13 +43,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def refuse_frozen_masks(dropout: Dropout | None, x: torch.Tensor) -> None:
-    """Raise if a dropout mask would be captured into a CUDA graph: its seed is drawn on the host at each call,
-    so every replay would drop the same elements, silently."""
-    if dropout is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+    """Raise if a host-side dropout seed (an int) would be captured into a CUDA graph: every replay would drop the
+    same elements, silently. Seeds drawn on the device (``DropoutStream``) replay fresh and pass."""
+    if (
+        dropout is not None
+        and not isinstance(dropout.seed, torch.Tensor)
+        and x.is_cuda
+        and torch.cuda.is_current_stream_capturing()
+    ):
         raise RuntimeError(
-            f"LoRA dropout (p={dropout.p}) cannot be captured in a CUDA graph: its mask seed is drawn on the "
-            "host at each call, so every replay would reuse the captured mask. Capture with dropout=0.0 (or "
-            "the module in eval mode), or run the step eagerly."
+            f"LoRA dropout (p={dropout.p}) cannot be captured in a CUDA graph with a host-side seed: every replay "
+            "would reuse the captured mask. Capture with dropout=0.0 (or the module in eval mode), or run the step "
+            "eagerly."
         )
 
 
@@ -160,6 +149,15 @@ def check_inputs(
         raise ValueError(f"scale must be finite, got {scale}")
 
 
+def _check_seed(seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != device:
+        raise ValueError(
+            f"dropout_seed must be a 1-element int64 tensor on x's device ({device}), got a {seed.dtype} tensor of "
+            f"shape {tuple(seed.shape)} on {seed.device}"
+        )
+    return seed.reshape(1)
+
+
 def lora_linear_local(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -191,7 +189,7 @@ def lora_linear(
     backend: str = "auto",
     *,
     dropout_position: str = "pre",
-    dropout_seed: int | None = None,
+    dropout_seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = x W^T + b + scale * (drop(x) A^T) B^T`` with dtype canonicalization.
 
@@ -204,9 +202,12 @@ def lora_linear(
         dropout_p: dropout on the LoRA branch, active only when ``training``.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
         dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
-        dropout_seed: seed of the counter-based mask; drawn from the CPU generator when ``None``, so an
-            activation-checkpoint rerun draws the same mask only with ``preserve_rng_state=True`` (the
-            default; ``nn.Dropout`` needs it too). The layers also detect a rerun without it and raise.
+        dropout_seed: seed of the counter-based mask: ``None`` draws one on ``x``'s device from its default
+            generator (``dropout.draw_seed``: no host sync, fresh at every CUDA graph replay, and an
+            activation-checkpoint rerun draws the same one with ``preserve_rng_state=True``, the default, as
+            ``nn.Dropout`` needs; the layers also detect a rerun without it and raise). A ``[1]`` int64 tensor on
+            ``x``'s device is used as it is. An int (taken mod 2**64) is copied to the device at each call: a
+            CUDA graph cannot capture it, and compiled code recompiles for each new value.
 
     Returns:
         ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
@@ -219,7 +220,12 @@ def lora_linear(
     backend = resolve_backend(backend, x.device)
     dropout = None
     if training and dropout_p > 0.0:
-        seed = new_seed() if dropout_seed is None else int(dropout_seed)
+        if dropout_seed is None:
+            seed = draw_seed(x)
+        elif isinstance(dropout_seed, torch.Tensor):
+            seed = _check_seed(dropout_seed, x.device)
+        else:
+            seed = seed_tensor(dropout_seed, x.device)
         dropout = Dropout(p=float(dropout_p), seed=seed, position=dropout_position)
     return lora_linear_local(x, weight, bias, lora_A, lora_B, scale, dropout, backend)
 

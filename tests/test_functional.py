@@ -25,7 +25,7 @@ from _reference import GPU_BF16, assert_close, lora_reference
 
 import parallel_lora.eager as eager
 from parallel_lora import lora_linear
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora.dropout import Dropout, keep_mask, seed_tensor
 from parallel_lora.functional import resolve_backend
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -424,6 +424,41 @@ def test_triton_drops_the_same_elements_as_torch(position):
     assert 0.3 < keep.float().mean().item() < 0.7  # the mask is not all-keep or all-drop
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_seed_draws_the_mask_of_its_int(backend):
+    # The kernels read the seed in device memory; an int is copied there, mod 2**64 (two's complement in int64).
+    inp = make_inputs(FP32)
+    seed, kwargs = 2**63 + 5, {"dropout_p": 0.3, "training": True}
+    _, y_int = run_op(FP32, inp, backend, dropout_seed=seed, **kwargs)
+    seed_t = seed_tensor(seed, inp.x_leaf.device)
+    assert seed_t.tolist() == [seed - 2**64]
+    _, y_tensor = run_op(FP32, inp, backend, dropout_seed=seed_t, **kwargs)
+    assert torch.equal(y_int, y_tensor)
+    _, y_other = run_op(FP32, inp, backend, dropout_seed=seed + 1, **kwargs)
+    assert not torch.equal(y_int, y_other)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_seed_draws_one_on_the_device_per_call_reproducibly(backend):
+    inp = make_inputs(FP32)
+    kwargs = {"dropout_p": 0.3, "training": True}
+    torch.manual_seed(1)
+    first, second = (run_op(FP32, inp, backend, **kwargs)[1] for _ in range(2))
+    torch.manual_seed(1)
+    assert torch.equal(run_op(FP32, inp, backend, **kwargs)[1], first)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize(
+    "seed", [torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], device="meta")], ids=["two", "float", "meta"]
+)
+def test_a_bad_seed_tensor_raises_value_error(seed):
+    inp = _good()
+    with pytest.raises(ValueError, match="1-element int64 tensor on x's device"):
+        lora_linear(inp.x_leaf, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dropout_p=0.1, training=True,
+                    dropout_seed=seed)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Shapes, strides and bias.
 # ---------------------------------------------------------------------------------------------------------
@@ -606,8 +641,9 @@ def test_gpu_autocast_promoted_input_reaches_the_kernel_as_bf16(monkeypatch):
     assert inp.x_leaf.grad.dtype == F32 and inp.lora_A.grad.dtype == F32
 
 
-def test_dropout_refuses_cuda_graph_capture(monkeypatch):
-    # The mask seed is drawn on the host per call: a captured step would replay one mask forever.
+def test_a_host_side_seed_refuses_cuda_graph_capture(monkeypatch):
+    # An int seed is copied to the device at each call: a captured step would replay one mask forever. A seed
+    # tensor drawn on the device replays fresh (tests/test_compile.py) and is let through.
     from types import SimpleNamespace
 
     from parallel_lora.functional import refuse_frozen_masks
@@ -618,6 +654,9 @@ def test_dropout_refuses_cuda_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         refuse_frozen_masks(drop, cuda_x)
     refuse_frozen_masks(None, cuda_x)  # no dropout: capture is fine
+    refuse_frozen_masks(Dropout(p=0.1, seed=torch.tensor([3]), position="pre"), cuda_x)  # a device seed: fine
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        seed_tensor(3, "cuda")  # the int's copy to the device refuses too
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     refuse_frozen_masks(drop, cuda_x)  # not capturing: fine
 
@@ -678,6 +717,3 @@ def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit(tokens):
     for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
         assert torch.equal(a, b), f"{name} after the workspaces grew"
     assert all(bool((f == 7).all()) for f in filler), "a replay wrote into memory the workspaces had freed"
-    dropping = LoRALinear(1024, 768, LoRAConfig(r=16, alpha=32, dropout=0.1), dtype=BF16, device="cuda").train()
-    with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        dropping(x)

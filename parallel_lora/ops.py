@@ -1,0 +1,151 @@
+"""The fused LoRA op as torch.compile sees it: ``parallel_lora::lora_forward`` and ``parallel_lora::lora_backward``.
+
+``torch.library.custom_op`` registrations of the Triton path (``parallel_lora.kernels.dispatch``), with fake
+implementations giving their outputs' shapes and dtypes, so Dynamo traces ``LoRALinearFunction`` whole and
+Inductor schedules the op as one opaque call. The op's arguments are plain tensors and scalars: a call's
+``Dropout`` travels as ``(p, seed, position, k_offset)``, with ``seed`` a ``[1]`` int64 tensor (None without an
+active mask). Their real implementations launch the kernels exactly as an eager call does (each layout's tuned
+configs, its bound kernels), so there is one launch path, compiled or not.
+
+``fused_forward`` / ``fused_backward`` are what the autograd Function calls: the registered ops while compiling, the
+dispatcher directly otherwise (a custom op's dispatch costs host time the eager path does not spend). A call with a
+host-side (int) seed runs outside the compiled graph, as before the ops were registered.
+
+    lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
+    lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
+
+All operands in one dtype (the caller casts, ``parallel_lora.dtypes``); outputs in that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from .dropout import Dropout
+
+_KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
+
+
+def _kernels():
+    if not _KERNELS:
+        from . import kernels
+
+        _KERNELS.append(kernels)
+    return _KERNELS[0]
+
+
+def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) -> Dropout | None:
+    return None if seed is None else Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
+
+
+def _unpack(dropout: Dropout | None) -> tuple[float, torch.Tensor | None, str, int]:
+    if dropout is None:
+        return 0.0, None, "pre", 0
+    return float(dropout.p), dropout.seed, dropout.position, int(dropout.k_offset)
+
+
+@custom_op("parallel_lora::lora_forward", mutates_args=())
+def lora_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: torch.Tensor | None,
+    dropout_position: str,
+    k_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
+    return _kernels().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
+
+
+@lora_forward.register_fake
+def _(x, weight, bias, lora_A, lora_B, scale, dropout_p, dropout_seed, dropout_position, k_offset):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
+
+
+@custom_op("parallel_lora::lora_backward", mutates_args=())
+def lora_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: torch.Tensor | None,
+    dropout_position: str,
+    k_offset: int,
+    needs_dx: bool,
+    needs_dA: bool,
+    needs_dB: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
+    grads = _kernels().backward(
+        dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB
+    )
+    # A custom op returns tensors: a gradient not asked for comes back empty (``fused_backward`` makes it None).
+    return tuple(dy.new_empty(0) if g is None else g for g in grads)
+
+
+@lora_backward.register_fake
+def _(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout_p, dropout_seed, dropout_position, k_offset, needs_dx,
+      needs_dA, needs_dB):  # fmt: skip
+    shapes = ((needs_dx, x.shape), (needs_dA, lora_A.shape), (needs_dB, lora_B.shape))
+    return tuple(dy.new_empty(shape if needed else (0,)) for needed, shape in shapes)
+
+
+# A host-side (int) seed under torch.compile: the kernels run outside the graph, as a graph break (traced, the int
+# would be a new constant at every call). The tensor-parallel layers' seeds, until they come from a DropoutStream.
+_host_seed_forward = torch.compiler.disable(lambda *args: _kernels().forward(*args))
+_host_seed_backward = torch.compiler.disable(lambda *args, **kwargs: _kernels().backward(*args, **kwargs))
+
+
+def _traced(dropout: Dropout | None) -> bool:
+    return torch.compiler.is_compiling() and (dropout is None or isinstance(dropout.seed, torch.Tensor))
+
+
+def fused_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parallel_lora.kernels.forward``, through ``parallel_lora::lora_forward`` while compiling."""
+    if _traced(dropout):
+        return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout))
+    forward = _host_seed_forward if torch.compiler.is_compiling() else _kernels().forward
+    return forward(x, weight, bias, lora_A, lora_B, scale, dropout)
+
+
+def fused_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    scale: float,
+    dropout: Dropout | None,
+    needs_dx: bool = True,
+    needs_dA: bool = True,
+    needs_dB: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``parallel_lora.kernels.backward``, through ``parallel_lora::lora_backward`` while compiling."""
+    if not _traced(dropout):
+        backward = _host_seed_backward if torch.compiler.is_compiling() else _kernels().backward
+        return backward(
+            dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA,
+            needs_dB=needs_dB,
+        )  # fmt: skip
+    grads = torch.ops.parallel_lora.lora_backward(
+        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout), needs_dx, needs_dA, needs_dB
+    )
+    return tuple(g if needed else None for g, needed in zip(grads, (needs_dx, needs_dA, needs_dB), strict=True))
