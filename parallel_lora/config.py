@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backend import BACKENDS
 from .dropout import P_RANGE, valid_p
 
 INIT_A_CHOICES = ("kaiming", "xavier", "gaussian")
 DROPOUT_POSITIONS = ("pre", "post")
-BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
