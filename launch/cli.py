@@ -1,8 +1,9 @@
 """The launcher's command line: its flags, their valid ranges, and what may be done to ``--output-dir``.
 
 Everything here is checked before any process group or model exists, from the command line, the environment
-torchrun sets (``WORLD_SIZE``, ``RANK``) and the files in ``--output-dir``. Every rank parses the same command
-line, so usage, ``--help`` and errors print on rank 0 only; a bad flag exits with code 2 on every rank.
+torchrun sets (``WORLD_SIZE``, ``RANK``), the files in ``--output-dir`` and, with ``--model``, the checkpoint's
+``config.json`` and file headers (``parallel_lora.hf.check_checkpoint``: no weight is read). Every rank parses the
+same command line, so usage, ``--help`` and errors print on rank 0 only; a bad flag exits with code 2 on every rank.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from parallel_lora.dropout import P_RANGE, valid_p
 
 # Arguments that fix the batches, the model or the schedule: a resumed run that changes one of them
 # cannot reproduce the uninterrupted run, so resume warns.
-RUN_KEYS = ("preset", "seed", "batch_size", "seq_len", "grad_accum", "dp", "steps", "lr", "warmup", "rank", "alpha")
+RUN_KEYS = ("preset", "model", "data", "eval_fraction", "seed", "batch_size", "seq_len", "grad_accum", "dp", "steps",
+            "lr", "warmup", "rank", "alpha", "autocast")
 # Arguments that fix the shapes of the checkpoint's tensors: a resume that changes one of them cannot load it.
 SHAPE_KEYS = ("preset", "rank")
+DEFAULT_PRESET = "small"
+DEFAULT_EVAL_EVERY, DEFAULT_EVAL_FRACTION = 20, 0.05
+DATA_SUFFIXES = (".jsonl", ".txt")
 # What a run writes under --output-dir (a run never removes anything else).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "adapter", "loss.png")
 
@@ -49,7 +54,22 @@ def _flag(key: str) -> str:
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (launch/model.py)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"size of the built-in toy model (launch/model.py; default {DEFAULT_PRESET})")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer) to "
+                        "fine-tune instead of the toy model; needs --data")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help='training text for --model: .jsonl lines {"text": ...} or {"prompt": ..., "completion": ...} '
+                        "(no loss on the prompt), or .txt (documents separated by blank lines)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"with --data: eval loss on the held-out slice every N steps and at the last step "
+                        f"(default {DEFAULT_EVAL_EVERY}; 0: never)")
+    p.add_argument("--eval-fraction", type=float, default=None,
+                   help=f"with --data: the share of the file's windows held out for eval (default "
+                        f"{DEFAULT_EVAL_FRACTION}; 0: none)")
+    p.add_argument("--autocast", action="store_true",
+                   help="run the forward under bf16 autocast (the adapters stay fp32 masters)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size / dp)")
@@ -61,7 +81,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha / r)")
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens (characters) per sequence")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (characters for the toy model)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -88,10 +108,34 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp is None:
         args.tp = max(1, world // max(1, args.dp))
+    problem = _mode_problem(args)
+    if problem:
+        p.error(problem)
+    if args.data is not None:
+        args.eval_every = DEFAULT_EVAL_EVERY if args.eval_every is None else args.eval_every
+        args.eval_fraction = DEFAULT_EVAL_FRACTION if args.eval_fraction is None else args.eval_fraction
+    if args.model is None:
+        args.preset = args.preset or DEFAULT_PRESET
     for problem in (*_range_problems(args, world), _output_dir_problem(args)):
         if problem:
             p.error(problem)
     return args
+
+
+def _mode_problem(args: argparse.Namespace) -> str | None:
+    """The toy model (``--preset``) or a checkpoint (``--model`` + ``--data``), and the flags each one takes."""
+    if args.data is not None and args.model is None:
+        return "--data needs --model DIR (the built-in toy model trains on launch/corpus.txt)"
+    if args.model is not None and args.data is None:
+        return "--model needs --data FILE (.jsonl or .txt) to train on"
+    if args.model is not None and args.preset is not None:
+        return "--preset sizes the built-in toy model and --model brings a checkpoint: pass one of them"
+    for key in ("eval_every", "eval_fraction"):
+        if getattr(args, key) is not None and args.data is None:
+            return f"{_flag(key)} needs --model and --data (the built-in corpus has no held-out slice)"
+    if args.model is not None and args.sequence_parallel:
+        return "--sequence-parallel is not supported with --model (transformers models run without it here)"
+    return None
 
 
 def _range_problems(args: argparse.Namespace, world: int) -> list[str | None]:
@@ -119,14 +163,20 @@ def _range_problems(args: argparse.Namespace, world: int) -> list[str | None]:
         problems.append(f"--dropout must be in {P_RANGE}, got {args.dropout}")
     if args.seed < 0:
         problems.append(f"--seed must be >= 0, got {args.seed}")
-    max_len = PRESETS[args.preset].max_seq_len
-    if args.seq_len > max_len:
-        problems.append(f"--seq-len must be <= {max_len}, the '{args.preset}' preset's max_seq_len; got {args.seq_len}")
+    if args.data is not None:
+        problems += _data_problems(args)
+    else:
+        max_len = PRESETS[args.preset].max_seq_len
+        if args.seq_len > max_len:
+            problems.append(f"--seq-len must be <= {max_len}, the '{args.preset}' preset's max_seq_len; "
+                            f"got {args.seq_len}")
     if any(problems):
         return problems
     if args.dp * args.tp != world:
         return [f"--dp {args.dp} x --tp {args.tp} must equal the world size {world} (torchrun --nproc-per-node "
                 "times --nnodes)"]
+    if args.model is not None:
+        return [_checkpoint_problem(args)]
     try:
         check_tp(config_for(args.preset), args.tp)
     except ValueError as e:
@@ -134,6 +184,37 @@ def _range_problems(args: argparse.Namespace, world: int) -> list[str | None]:
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         return [f"--sequence-parallel needs --seq-len ({args.seq_len}) divisible by --tp ({args.tp})"]
     return []
+
+
+def _data_problems(args: argparse.Namespace) -> list[str]:
+    """The eval flags' ranges and the data file's existence and kind (its lines are read after start-up)."""
+    problems = []
+    if args.eval_every < 0:
+        problems.append(f"--eval-every must be >= 0 (0: never), got {args.eval_every}")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    data = Path(args.data)
+    if not data.is_file():
+        problems.append(f"--data {data} {'is not a file' if data.exists() else 'does not exist'}")
+    elif data.suffix not in DATA_SUFFIXES:
+        problems.append(f"--data {data}: expected a .jsonl or .txt file, got '{data.suffix}'")
+    return problems
+
+
+def _checkpoint_problem(args: argparse.Namespace) -> str | None:
+    """What ``check_checkpoint`` refuses at this ``--tp`` (path, files, tokenizer, plan, heads), and a ``--seq-len``
+    beyond the model's ``max_position_embeddings``. Reads ``config.json`` and the safetensors headers only."""
+    from parallel_lora.hf import check_checkpoint
+
+    try:
+        config = check_checkpoint(args.model, args.tp)
+    except ValueError as e:
+        return f"--model: {e}"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    max_len = getattr(text, "max_position_embeddings", None)
+    if isinstance(max_len, int) and args.seq_len > max_len:
+        return f"--seq-len must be <= {max_len}, the model's max_position_embeddings; got {args.seq_len}"
+    return None
 
 
 def _output_dir_problem(args: argparse.Namespace) -> str | None:
@@ -151,6 +232,10 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
     if latest is None:
         return None
     saved = json.loads((latest / "meta.json").read_text()).get("extra", {})
+    if "preset" in saved and (saved.get("model") is None) != (args.model is None):
+        then, now = _trained(saved.get("model"), saved["preset"]), _trained(args.model, args.preset)
+        return (f"--resume: {latest} was saved by a run on {then}, and its adapters do not fit a run on {now}. Resume "
+                "with the checkpoint's model, or start a new run (--overwrite, or another --output-dir)")
     changed = [k for k in SHAPE_KEYS if k in saved and saved[k] != getattr(args, k)]
     if changed:
         then = " ".join(f"{_flag(k)} {saved[k]}" for k in changed)
@@ -158,3 +243,7 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
         return (f"--resume: {latest} was saved with {then}, and its adapters do not fit a run with {now}. Resume "
                 "with the checkpoint's values, or start a new run (--overwrite, or another --output-dir)")
     return None
+
+
+def _trained(model: str | None, preset: str | None) -> str:
+    return f"--model {model}" if model is not None else f"the built-in '{preset}' toy model"

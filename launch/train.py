@@ -1,14 +1,17 @@
-"""Fine-tune LoRA adapters of a tensor-parallel (x data-parallel) toy Llama on the shipped corpus.
+"""Fine-tune LoRA adapters of a tensor-parallel (x data-parallel) model: the built-in toy Llama on the shipped
+corpus, or your Hugging Face checkpoint on your data.
 
     torchrun --nproc-per-node 2 launch/train.py                     # tp=2, CPU/gloo or GPU/nccl
     torchrun --nproc-per-node 4 launch/train.py --dp 2              # a (dp=2, tp=2) mesh
     torchrun --nproc-per-node 2 launch/train.py --sequence-parallel
     torchrun --nproc-per-node 2 launch/train.py --resume            # continue from the latest checkpoint
+    torchrun --nproc-per-node 2 launch/train.py --model DIR --data FILE.jsonl   # your checkpoint, your data
     python launch/train.py --preset tiny                            # a world of one, without torchrun
 
-Top to bottom: args (``cli.py``: every flag checked before anything starts), mesh, model (same seed on every
-rank, then ``apply_lora``), the TP plan dict applied to every block, the AdamW loop (grad accumulation under
-``no_sync``, dp all-reduce, clipping, checkpoints), teardown (adapter in PEFT format, loss plot). Writes under
+Top to bottom: args (``cli.py``: every flag checked before anything starts), mesh, model (the toy: same seed on
+every rank, ``apply_lora``, the TP plan dict applied to every block; ``--model``: ``parallel_lora.hf.from_pretrained``,
+each rank reading its shards, split by the model's own plan), the AdamW loop (grad accumulation under ``no_sync``,
+dp all-reduce, clipping, eval, checkpoints), teardown (adapter in PEFT format, loss plot). Writes under
 ``--output-dir``: ``metrics.jsonl``, ``checkpoints/step_<N>/``, ``adapter/``, ``loss.png``; it never removes
 an earlier run there unless told to (``--overwrite``). ``faults.py`` bounds every wait by ``--timeout`` and turns
 each failure into one line. See docs/launcher.md.
@@ -28,7 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 from tqdm import tqdm
@@ -37,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
 from cli import RUN_KEYS, RUN_OUTPUTS, parse_args  # noqa: E402
-from data import Corpus  # noqa: E402
+from data import IGNORE_INDEX, Corpus, PackedData  # noqa: E402
 from model import Transformer, config_for  # noqa: E402
 
 from parallel_lora import (  # noqa: E402
@@ -64,6 +69,108 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def toy_model(args: argparse.Namespace, tp_mesh: DeviceMesh, device: torch.device) -> tuple[nn.Module, Corpus, str]:
+    """The built-in decoder on ``launch/corpus.txt``: the same "pretrained" base on every rank (same seed), adapters
+    on every projection, then the Megatron-style plan (heads and MLP width split over tp). Returns the model, the
+    data and a line describing them."""
+    corpus = Corpus()
+    config = config_for(args.preset, vocab_size=corpus.tokenizer.vocab_size)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = Transformer(config)
+    lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES)
+    apply_lora(model, lora_config)  # its summary prints on rank 0 (the parallel_lora logger)
+    model.activation_checkpointing = args.activation_checkpointing
+
+    sp = args.sequence_parallel
+    plan = {
+        "attn.q_proj": ColwiseParallelLoRA(sequence_parallel=sp),
+        "attn.k_proj": ColwiseParallelLoRA(sequence_parallel=sp),
+        "attn.v_proj": ColwiseParallelLoRA(sequence_parallel=sp),
+        "attn.o_proj": RowwiseParallelLoRA(sequence_parallel=sp),
+        "mlp.gate_proj": ColwiseParallelLoRA(sequence_parallel=sp),
+        "mlp.up_proj": ColwiseParallelLoRA(sequence_parallel=sp),
+        "mlp.down_proj": RowwiseParallelLoRA(sequence_parallel=sp),
+    }
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, plan)
+    if sp:
+        # Blocks take and return [b, s/tp, dim]: split the (frozen, replicated) embedding output along the
+        # sequence, and gather before the final norm; lm_head and the loss then run replicated on every rank
+        # (the gather's backward just keeps this rank's slice of the replicated gradient).
+        sp_plan = {
+            "embed_tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            "norm": PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+        }
+        parallelize_module(model, tp_mesh, sp_plan)
+    about = f"preset {args.preset}: {config.n_layers} layers, dim {config.dim}, {config.n_heads} heads"
+    return model, corpus, about
+
+
+def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -> tuple[nn.Module, PackedData, str]:
+    """``--model DIR`` on ``--data FILE``: the file tokenized by the checkpoint's tokenizer and packed (checked
+    before any weight is read), then ``from_pretrained``: a bf16 base built on the meta device, fp32 adapters on the
+    seven projections, split by the model's own plan over ``mesh["tp"]``, each rank reading only its shards."""
+    from data import load_tokenizer
+
+    from parallel_lora.hf import from_pretrained
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as e:
+        faults.refuse(f"--model: {e}")
+    try:
+        data = PackedData(args.data, tokenizer, args.seq_len, eval_fraction=args.eval_fraction)
+    except ValueError as e:
+        faults.refuse(f"--data: {e}")
+    lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES,
+                             lora_dtype=torch.float32)
+    try:
+        model = from_pretrained(args.model, lora_config, mesh=mesh, device=device, seed=args.seed,
+                                verbose=dist.get_rank() == 0)
+    except ValueError as e:  # tensors the checkpoint lacks, or of other shapes than its config.json gives
+        faults.refuse(f"--model: {e}")
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(args.seed)  # the dropout seeds follow this generator: the same on every rank of a TP group
+    text = model.config.get_text_config()
+    about = (f"model {args.model} ({type(model).__name__}): {text.num_hidden_layers} layers, hidden "
+             f"{text.hidden_size}, {text.num_attention_heads} heads / {text.num_key_value_heads} kv heads, bf16 base, "
+             f"fp32 adapters; data {args.data}: {len(data.train_starts)} train / {len(data.eval_starts)} eval "
+             f"windows of {args.seq_len} tokens")
+    return model, data, about
+
+
+def forward(model: nn.Module, inputs: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """Logits ``[b, s, vocab]`` of ``inputs`` ``[b, s]`` int64 (in the base's dtype, or bf16 under ``--autocast``)."""
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=args.autocast):
+        # Targets come shifted, with -100 on the prompt: the loss is ours, so no labels= for transformers.
+        return model(inputs, use_cache=False).logits if args.model else model(inputs)
+
+
+def summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed (fp32) over the targets that are not ``IGNORE_INDEX``."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def evaluate(model: nn.Module, data: PackedData, args: argparse.Namespace, dp_mesh: DeviceMesh,
+             device: torch.device) -> float:
+    """Mean loss per target over every held-out window: each dp rank sums its share, one all-reduce adds them."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [summed loss, targets]
+    with torch.no_grad():
+        for inputs, targets in data.eval_batches(args.batch_size, dp_mesh.get_local_rank(), args.dp):
+            inputs, targets = inputs.to(device), targets.to(device)
+            total[0] += summed_loss(forward(model, inputs, args), targets).double()
+            total[1] += (targets != IGNORE_INDEX).sum()
+    if args.dp > 1:
+        dist.all_reduce(total, group=dp_mesh.get_group())
+    model.train()
+    return (total[0] / total[1]).item()
+
+
 def average_over_dp(params: list[torch.Tensor], group: dist.ProcessGroup, dp: int) -> None:
     """Average the adapter gradients over data-parallel ranks: one all-reduce of a flat buffer of the
     local shards (every dp rank holds the same TP shards, so the local tensors line up)."""
@@ -79,8 +186,9 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot_loss(rows: list[dict], png: Path, title: str) -> bool:
-    """Draw the loss curve to ``png``; without matplotlib (the ``[train]`` extra), warn and draw nothing."""
+def plot_loss(rows: list[dict], png: Path, title: str, unit: str) -> bool:
+    """Draw the training (and eval) loss curves to ``png``; without matplotlib (the ``[train]`` extra), warn and
+    draw nothing."""
     try:
         import matplotlib
     except ImportError:
@@ -91,9 +199,13 @@ def plot_loss(rows: list[dict], png: Path, title: str) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.5)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.5, label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.5, ms=3, label="eval")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats / char)")
+    ax.set_ylabel(f"loss (nats / {unit})")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -118,41 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     rank, dp_rank = dist.get_rank(), dp_mesh.get_local_rank()
 
-    # -- model: the same "pretrained" base on every rank (same seed), then adapters on every projection ------
+    # -- model and data: the toy decoder and corpus, or --model DIR on --data FILE ----------------------------
     faults.at("model set-up")
-    corpus = Corpus()
-    config = config_for(args.preset, vocab_size=corpus.tokenizer.vocab_size)
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = Transformer(config)
-    lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES)
-    apply_lora(model, lora_config)  # its summary prints on rank 0 (the parallel_lora logger)
-    model.activation_checkpointing = args.activation_checkpointing
-
-    # -- plan: Megatron-style attention and MLP; heads and MLP width split over tp --------------------------
-    sp = args.sequence_parallel
-    plan = {
-        "attn.q_proj": ColwiseParallelLoRA(sequence_parallel=sp),
-        "attn.k_proj": ColwiseParallelLoRA(sequence_parallel=sp),
-        "attn.v_proj": ColwiseParallelLoRA(sequence_parallel=sp),
-        "attn.o_proj": RowwiseParallelLoRA(sequence_parallel=sp),
-        "mlp.gate_proj": ColwiseParallelLoRA(sequence_parallel=sp),
-        "mlp.up_proj": ColwiseParallelLoRA(sequence_parallel=sp),
-        "mlp.down_proj": RowwiseParallelLoRA(sequence_parallel=sp),
-    }
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, plan)
-    if sp:
-        # Blocks take and return [b, s/tp, dim]: split the (frozen, replicated) embedding output along the
-        # sequence, and gather before the final norm; lm_head and the loss then run replicated on every rank
-        # (the gather's backward just keeps this rank's slice of the replicated gradient).
-        sp_plan = {
-            "embed_tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-            "norm": PrepareModuleInput(
-                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
-            ),
-        }
-        parallelize_module(model, tp_mesh, sp_plan)
+    if args.model:
+        model, data, about = hf_model(args, mesh, device)
+    else:
+        model, data, about = toy_model(args, tp_mesh, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
 
@@ -184,15 +267,17 @@ def main(argv: list[str] | None = None) -> None:
         # Keep the history up to the resumed step only, so metrics.jsonl has one line per step.
         kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        print(f"mesh dp={dp} x tp={tp} on {device.type}, sequence_parallel={sp}; preset {args.preset}: "
-              f"{config.n_layers} layers, dim {config.dim}, {config.n_heads} heads; "
-              f"batch {args.batch_size}x{args.seq_len} x accum {args.grad_accum} x dp {dp}", flush=True)
+        print(f"mesh dp={dp} x tp={tp} on {device.type}, sequence_parallel={args.sequence_parallel}, "
+              f"autocast={args.autocast}; {about}; batch {args.batch_size}x{args.seq_len} x accum {args.grad_accum} "
+              f"x dp {dp}", flush=True)
     dist.barrier()
 
     # -- loop -----------------------------------------------------------------------------------------------
     metrics = open(metrics_path, "a") if rank == 0 else None
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp
-    model.train()
+    eval_every = args.eval_every if args.model and len(data.eval_starts) else 0
+    eval_loss = None
+    model.train()  # from_pretrained returns the model in eval mode
     with tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=rank != 0) as bar:
         for step in range(start_step + 1, args.steps + 1):
             faults.at("forward/backward", step)
@@ -200,18 +285,21 @@ def main(argv: list[str] | None = None) -> None:
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            batches = [data.batch(seed=args.seed, step=step, micro_step=micro, batch_size=args.batch_size,
+                                  seq_len=args.seq_len, dp_rank=dp_rank, dp=dp) for micro in range(args.grad_accum)]
+            # The step's loss is the mean over every target of the global batch (prompt tokens carry none): each
+            # rank scales its summed loss by dp / (global target count), and the dp all-reduce averages.
+            n_targets = torch.tensor(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches), device=device)
+            if dp > 1:
+                dist.all_reduce(n_targets, group=dp_mesh.get_group())
+            scale = dp / n_targets.item()
             loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                inputs, targets = corpus.batch(
-                    seed=args.seed, step=step, micro_step=micro, batch_size=args.batch_size, seq_len=args.seq_len,
-                    dp_rank=dp_rank, dp=dp,
-                )
+            for micro, (inputs, targets) in enumerate(batches):
                 inputs, targets = inputs.to(device), targets.to(device)
                 # Defer the TP reductions of the replicated adapter grads to the last micro-step's backward.
                 last = micro == args.grad_accum - 1
                 with contextlib.nullcontext() if last else no_sync(model):
-                    logits = model(inputs)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / args.grad_accum
+                    loss = summed_loss(forward(model, inputs, args), targets) * scale
                     loss.backward()
                 loss_sum += loss.detach()
             if step == args.fail_at_step and rank == args.fail_rank:
@@ -229,11 +317,15 @@ def main(argv: list[str] | None = None) -> None:
             loss_value = loss_sum.item()
             grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
             tokens_per_s = tokens_per_step / (time.perf_counter() - t0)
+            row = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm}
+            if eval_every and (step % eval_every == 0 or step == args.steps):
+                faults.at("eval", step)
+                row["eval_loss"] = eval_loss = evaluate(model, data, args, dp_mesh, device)
             if metrics is not None:
-                row = {"step": step, "loss": loss_value, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            postfix = {"loss": f"{loss_value:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            bar.set_postfix(postfix if eval_loss is None else {**postfix, "eval": f"{eval_loss:.4f}"})
             bar.update()
             if step % args.save_every == 0 or step == args.steps:
                 faults.at("checkpoint save", step)
@@ -246,10 +338,13 @@ def main(argv: list[str] | None = None) -> None:
         metrics.close()
         rows = read_metrics(metrics_path)
         if rows:
-            title = f"LoRA r={args.rank} on '{args.preset}', dp={dp} x tp={tp}, sp={sp}"
-            plotted = plot_loss(rows, out / "loss.png", title)
+            what = f"'{Path(args.model).name}'" if args.model else f"'{args.preset}'"
+            title = f"LoRA r={args.rank} on {what}, dp={dp} x tp={tp}, sp={args.sequence_parallel}"
+            plotted = plot_loss(rows, out / "loss.png", title, "token" if args.model else "char")
+            evals = [r for r in rows if "eval_loss" in r]
+            eval_note = f"; eval loss {evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})" if evals else ""
             print(f"loss {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
-                  f"(step {rows[-1]['step']}); wrote {out}/metrics.jsonl, adapter/, "
+                  f"(step {rows[-1]['step']}){eval_note}; wrote {out}/metrics.jsonl, adapter/, "
                   f"{'loss.png, ' if plotted else ''}checkpoints/")
     dist.destroy_process_group()
 
