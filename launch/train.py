@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
 from cli import RUN_KEYS, RUN_OUTPUTS, parse_args  # noqa: E402
-from data import IGNORE_INDEX, Corpus, PackedData  # noqa: E402
+from data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
 from model import Transformer, config_for  # noqa: E402
 
 from parallel_lora import (  # noqa: E402
@@ -56,6 +56,7 @@ from parallel_lora import (  # noqa: E402
     save_adapter,
     save_checkpoint,
 )
+from parallel_lora.hf import from_pretrained  # noqa: E402  (transformers is imported when a model is built)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -113,10 +114,6 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
     """``--model DIR`` on ``--data FILE``: the file tokenized by the checkpoint's tokenizer and packed (checked
     before any weight is read), then ``from_pretrained``: a bf16 base built on the meta device, fp32 adapters on the
     seven projections, split by the model's own plan over ``mesh["tp"]``, each rank reading only its shards."""
-    from data import load_tokenizer
-
-    from parallel_lora.hf import from_pretrained
-
     try:
         tokenizer = load_tokenizer(args.model)
     except (ValueError, OSError) as e:
