@@ -161,23 +161,6 @@ def validate(impls: dict, x: torch.Tensor, W: torch.Tensor, A: torch.Tensor, B: 
     return errs
 
 
-@contextlib.contextmanager
-def masks_may_freeze():
-    """Within: our dropout may be captured into a CUDA graph with its capture-time mask, which the layer refuses
-    where its seed is drawn on the host. For timing only: every replay drops the same elements, and the kernels do
-    the same work as for any other seed. Both trees' layers, with ``--old``; a tree that draws its masks on the
-    device has nothing to lift."""
-    trees = [sys.modules.get(f"{name}.functional") for name in ("parallel_lora", "parallel_lora_old")]
-    lifted = [(tree, tree.refuse_frozen_masks) for tree in trees if hasattr(tree, "refuse_frozen_masks")]
-    for tree, _ in lifted:
-        tree.refuse_frozen_masks = lambda dropout, x: None
-    try:
-        yield
-    finally:
-        for tree, refuse in lifted:
-            tree.refuse_frozen_masks = refuse
-
-
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` captured in a CUDA graph, after warm-up calls on a side stream (tuning, compilation): the replay runs
     the same kernels with no host work between them."""
@@ -188,7 +171,7 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with masks_may_freeze(), torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
         fn()
     return graph.replay
 

@@ -337,6 +337,8 @@ def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) 
     """Refuse, in one paragraph, a checkpoint whose adapters do not fit the model's (another LoRA rank, other
     target modules, another model), before ``dcp.load`` would fail with one error per tensor."""
     problems = []
+    # ``_extra_state`` entries are not adapters: older checkpoints hold the tensor-parallel layers' dropout streams
+    # there, which the layers no longer keep (their masks follow the RNG states saved per rank).
     for key, t in model_state.items():
         if key.endswith("_extra_state"):
             continue
@@ -372,9 +374,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if not (path / ".complete").is_file():
         raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
     model_state, optim_state = _trainable_state(model, optimizer)
-    # A checkpoint of single-device LoRALinears has no dropout stream for the parallel layers: they keep theirs.
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _check_fits(path, saved, model_state)
+    # Only what the model holds is read (an older checkpoint's dropout streams stay in the files); a module's extra
+    # state the checkpoint lacks keeps the module's own.
     model_state = {k: v for k, v in model_state.items() if not k.endswith("_extra_state") or f"model.{k}" in saved}
     state = {"model": model_state, "optim": optim_state}
     with _collective("load_checkpoint"):

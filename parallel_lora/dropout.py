@@ -148,36 +148,22 @@ def hash_uniform(seed, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return ((h >> ((cols & 1) * 16)) & 0xFFFF).to(torch.float32) * 2.0**-16
 
 
-def _keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
+def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
+    """Boolean keep-mask ``[rows, cols]`` for this call's dropped tensor (``x`` for "pre", ``x A^T`` for
+    "post"), columns shifted by ``k_offset`` for "pre". A tensor seed keeps the hash on the device (no sync)."""
     offset = dropout.k_offset if dropout.position == "pre" else 0
     m = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
     k = torch.arange(offset, offset + cols, device=device, dtype=torch.int64).unsqueeze(0)
     return hash_uniform(dropout.seed, m, k) >= dropout.p  # [rows, 1] and [1, cols]: one hash per row/word
 
 
-# A host-side seed is an int: traced, each call's seed would be a new constant (a recompile per call, and the hash
-# expanded in sympy). Its mask stays out of compiled graphs; a tensor seed's is traced.
-_host_seed_keep_mask = torch.compiler.disable(_keep_mask)
-
-
-def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
-    """Boolean keep-mask ``[rows, cols]`` for this call's dropped tensor (``x`` for "pre", ``x A^T`` for
-    "post"), columns shifted by ``k_offset`` for "pre". A tensor seed keeps the hash on the device (no sync)."""
-    if not isinstance(dropout.seed, torch.Tensor):
-        return _host_seed_keep_mask(dropout, rows, cols, device)
-    return _keep_mask(dropout, rows, cols, device)
-
-
 # Seeds are drawn below 2**62: any int64 keys the hash alike; non-negative ones print and compare plainly.
 SEED_BOUND = 2**62
 
 
-# Outside compiled graphs, like every host-side seed (``_host_seed_keep_mask``): ``DropoutStream`` draws its tags
-# only when not compiling, and the tensor-parallel layers' host-side seeds are drawn here.
-@torch.compiler.disable
 def new_seed() -> int:
     """A fresh 62-bit int from the CPU default generator (no device sync, reproducible under
-    ``torch.manual_seed``): the checkpoint tags of ``CallSeeds``, and the tensor-parallel layers' seeds."""
+    ``torch.manual_seed``): the checkpoint tags of ``CallSeeds`` (drawn only outside compiled graphs)."""
     return int(torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64).item())
 
 

@@ -42,22 +42,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def refuse_frozen_masks(dropout: Dropout | None, x: torch.Tensor) -> None:
-    """Raise if a host-side dropout seed (an int) would be captured into a CUDA graph: every replay would drop the
-    same elements, silently. Seeds drawn on the device (``DropoutStream``) replay fresh and pass."""
-    if (
-        dropout is not None
-        and not isinstance(dropout.seed, torch.Tensor)
-        and x.is_cuda
-        and torch.cuda.is_current_stream_capturing()
-    ):
-        raise RuntimeError(
-            f"LoRA dropout (p={dropout.p}) cannot be captured in a CUDA graph with a host-side seed: every replay "
-            "would reuse the captured mask. Capture with dropout=0.0 (or the module in eval mode), or run the step "
-            "eagerly."
-        )
-
-
 class LoRALinearFunction(torch.autograd.Function):
     """One LoRA linear on already-canonicalized tensors.
 
@@ -70,7 +54,6 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_comm=None, output_comm=None):
-        refuse_frozen_masks(dropout, x)
         forward = _impl(backend)[0]
         # Tensor parallel (``parallel_lora.comm``): ``input_comm`` brings x to the full input (identity, or the
         # sequence-parallel all-gather, once for base and LoRA together) and sums dx over ranks in backward;
@@ -98,7 +81,7 @@ class LoRALinearFunction(torch.autograd.Function):
         comm = ctx.input_comm
         if ctx.output_comm is not None:
             dy = ctx.output_comm.gather_grad(dy)
-        x_full = x if comm is None or not (needs_dA or needs_dW) else comm.gather(x)
+        x_full = x if comm is None or not (needs_dA or needs_dW) else comm.regather(x, dy)
         dy2d, x2d = _rows(dy), _rows(x_full)
         with autocast_off(x.device.type):
             dx, dA, dB = _impl(ctx.backend)[1](

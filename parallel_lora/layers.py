@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import LoRAConfig
-from .dropout import CallSeeds, Dropout, DropoutStream
+from .dropout import Dropout, DropoutStream
 from .functional import check_inputs, linear, lora_linear_local, resolve_backend
 from .log import logger
 
@@ -63,17 +63,6 @@ def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tenso
         local = param.to_local()
         full = init(torch.empty(param.shape, dtype=param.dtype, device=local.device))
         local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
-
-
-def make_dropout(
-    config: LoRAConfig, training: bool, seeds: CallSeeds, fresh: Callable[[int], int], k_offset: int = 0
-) -> Dropout | None:
-    """The dropout of one forward call with a host-side seed, or ``None`` when it is inactive (eval mode, p = 0):
-    ``fresh(tag)`` for a new call, the forward's again in an activation-checkpoint rerun (``seeds``). The
-    tensor-parallel layers' until their seeds come from a ``DropoutStream`` (``stream_dropout``)."""
-    if not training or config.dropout == 0.0:
-        return None
-    return Dropout(p=config.dropout, seed=seeds(fresh), position=config.dropout_position, k_offset=k_offset)
 
 
 def stream_dropout(

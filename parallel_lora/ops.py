@@ -8,8 +8,7 @@ active mask). Their real implementations launch the kernels exactly as an eager 
 configs, its bound kernels), so there is one launch path, compiled or not.
 
 ``fused_forward`` / ``fused_backward`` are what the autograd Function calls: the registered ops while compiling, the
-dispatcher directly otherwise (a custom op's dispatch costs host time the eager path does not spend). A call with a
-host-side (int) seed runs outside the compiled graph, as before the ops were registered.
+dispatcher directly otherwise (a custom op's dispatch costs host time the eager path does not spend).
 
     lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
     lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
@@ -22,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .dropout import Dropout
+from .dropout import Dropout, seed_tensor
 
 _KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
 
@@ -39,10 +38,11 @@ def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) 
     return None if seed is None else Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
 
 
-def _unpack(dropout: Dropout | None) -> tuple[float, torch.Tensor | None, str, int]:
+def _unpack(dropout: Dropout | None, device: torch.device) -> tuple[float, torch.Tensor | None, str, int]:
     if dropout is None:
         return 0.0, None, "pre", 0
-    return float(dropout.p), dropout.seed, dropout.position, int(dropout.k_offset)
+    seed = dropout.seed if isinstance(dropout.seed, torch.Tensor) else seed_tensor(dropout.seed, device)
+    return float(dropout.p), seed, dropout.position, int(dropout.k_offset)
 
 
 @custom_op("parallel_lora::lora_forward", mutates_args=())
@@ -99,16 +99,6 @@ def _(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout_p, dropout_seed, dro
     return tuple(dy.new_empty(shape if needed else (0,)) for needed, shape in shapes)
 
 
-# A host-side (int) seed under torch.compile: the kernels run outside the graph, as a graph break (traced, the int
-# would be a new constant at every call). The tensor-parallel layers' seeds, until they come from a DropoutStream.
-_host_seed_forward = torch.compiler.disable(lambda *args: _kernels().forward(*args))
-_host_seed_backward = torch.compiler.disable(lambda *args, **kwargs: _kernels().backward(*args, **kwargs))
-
-
-def _traced(dropout: Dropout | None) -> bool:
-    return torch.compiler.is_compiling() and (dropout is None or isinstance(dropout.seed, torch.Tensor))
-
-
 def fused_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -119,10 +109,9 @@ def fused_forward(
     dropout: Dropout | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``parallel_lora.kernels.forward``, through ``parallel_lora::lora_forward`` while compiling."""
-    if _traced(dropout):
-        return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout))
-    forward = _host_seed_forward if torch.compiler.is_compiling() else _kernels().forward
-    return forward(x, weight, bias, lora_A, lora_B, scale, dropout)
+    if torch.compiler.is_compiling():
+        return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout, x.device))
+    return _kernels().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
 
 
 def fused_backward(
@@ -139,13 +128,12 @@ def fused_backward(
     needs_dB: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``parallel_lora.kernels.backward``, through ``parallel_lora::lora_backward`` while compiling."""
-    if not _traced(dropout):
-        backward = _host_seed_backward if torch.compiler.is_compiling() else _kernels().backward
-        return backward(
+    if not torch.compiler.is_compiling():
+        return _kernels().backward(
             dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA,
             needs_dB=needs_dB,
         )  # fmt: skip
     grads = torch.ops.parallel_lora.lora_backward(
-        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout), needs_dx, needs_dA, needs_dB
+        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout, x.device), needs_dx, needs_dA, needs_dB
     )
     return tuple(g if needed else None for g, needed in zip(grads, (needs_dx, needs_dA, needs_dB), strict=True))

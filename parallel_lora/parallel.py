@@ -15,7 +15,13 @@ Every rank canonicalizes dtypes like the single-device op and runs the same back
 Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
 adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
 The activation collectives run inside ``LoRALinearFunction`` (``parallel_lora.comm``), the adapter shards
-come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective.
+come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective. Under
+torch.compile(fullgraph=True) the layers trace whole: functional collectives, the same ones in the same places.
+
+Dropout seeds come from each rank's default generator (``parallel_lora.dropout.DropoutStream``), so the TP ranks
+of a layer draw one mask only if their generators are in the same state: seed them alike (torchtitan and Megatron
+do) and let them run the same random ops. Each TP group adds its own offset to the seeds, so data-parallel
+replicas draw apart.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .comm import (
+    DeferredGradReduction,
     ReducedOutput,
     ReduceScatterOutput,
     ReplicatedInput,
@@ -38,18 +45,13 @@ from .comm import (
     output_comm,
 )
 from .config import LoRAConfig
-from .dropout import CallSeeds, Dropout
+from .dropout import SEED_BOUND, Dropout, DropoutStream
 from .dtypes import cast_to, compute_dtype
 from .functional import LoRALinearFunction, resolve_backend
-from .layers import LoRALinear, make_dropout
+from .layers import LoRALinear, stream_dropout
 from .layouts import LAYOUTS
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: successive steps get well-spread seeds
-
-try:  # what set_model_state_dict passes for a module's extra state that a full state dict lacks
-    from torch.distributed.checkpoint.state_dict import _EXTRA_STATE as _DSD_NO_STATE
-except ImportError:  # a torch without it passes nothing of the kind
-    _DSD_NO_STATE = ()
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: TP groups' seed offsets lie far apart
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -155,7 +157,11 @@ class _ParallelLoRALinear(nn.Module):
         self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
         self.merged, self.adapter_enabled = False, True
         self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
-        self._call_seeds = CallSeeds()
+        self._deferred_grad = DeferredGradReduction()
+        # Different TP groups (data-parallel replicas) see different rows: each draws its seeds at its own offset,
+        # keyed by the global rank of the group's first member.
+        group_id = int(mesh.mesh.flatten()[0].item())
+        self._dropout_stream = DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND)
 
         def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
             return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
@@ -165,13 +171,6 @@ class _ParallelLoRALinear(nn.Module):
         self.lora_A, self.lora_B = src.lora_A, src.lora_B  # containers kept; their weights become DTensors
         self.lora_A.weight = param(lora_A, layout.lora_A, True)
         self.lora_B.weight = param(lora_B, layout.lora_B, True)
-        # Dropout masks must agree across ranks (A or B is replicated): one base seed from rank 0, then a
-        # per-step counter that every rank advances identically.
-        # On the mesh's device even for a meta module: the seed is a real value that ranks must agree on now.
-        seed_device = _rank_device(mesh) if weight.is_meta else weight.device
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=seed_device)
-        seed = int(distribute_tensor(seed, mesh, [Replicate()], src_data_rank=0).to_local().item())
-        self._set_seed_stream(seed, 0)
 
     # Initialisation after building on the meta device and ``to_empty()``: LoRALinear's, through
     # ``fill_global_``, which draws each DTensor's global tensor and keeps rank 0's values.
@@ -191,50 +190,21 @@ class _ParallelLoRALinear(nn.Module):
     def _group(self):
         return self.mesh.get_group()
 
-    def _dropout(self, k_offset: int) -> Dropout | None:
-        """The dropout of this forward call (``None`` in eval mode or at p = 0): the next seed of the stream every
-        rank advances alike, or the same seed again in an activation-checkpoint rerun (``CallSeeds``)."""
-        return make_dropout(self.config, self.training, self._call_seeds, self._next_seed, k_offset)
+    def _dropout(self, x: torch.Tensor, k_offset: int) -> Dropout | None:
+        """The dropout of this forward call on ``x`` (``None`` in eval mode or at p = 0): a seed drawn from the
+        device's default generator, which every TP rank draws alike when their generators agree, or the forward's
+        seed again in an activation-checkpoint rerun (``DropoutStream``)."""
+        return stream_dropout(self.config, self.training, self._dropout_stream, x, k_offset)
 
-    def _set_seed_stream(self, seed: int, step: int) -> None:
-        # Different TP groups (data-parallel replicas) see different rows: give each its own stream, keyed by
-        # the global rank of the group's first member, so replicas do not share masks.
-        group_id = int(self.mesh.mesh.flatten()[0].item())
-        self._seed, self._seed_step = seed, step
-        self._seed_base = (seed + group_id * _SEED_STRIDE) % 2**62
-
-    # The dropout stream (the agreed seed and the call counter) is part of the module's state dict, so any
-    # checkpointer (torch.distributed.checkpoint, torchtitan's, torch.save) resumes the masks where they were,
-    # whatever the seed drawn at construction. Every rank holds the same value: DCP may keep one copy.
-    def get_extra_state(self) -> torch.Tensor:
-        """The dropout stream ``[seed, calls so far]`` (int64, CPU)."""
-        return torch.tensor([self._seed, self._seed_step], dtype=torch.int64)
-
-    def set_extra_state(self, state: torch.Tensor) -> None:
-        if isinstance(state, _DSD_NO_STATE):
-            return  # set_model_state_dict's stand-in for a full state dict without this key: keep the stream
-        if not isinstance(state, torch.Tensor) or state.shape != (2,) or state.dtype != torch.int64:
-            got = f"{state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) else state
-            raise ValueError(
-                f"{type(self).__name__}: extra state must be the dropout stream, an int64 tensor [seed, step]; "
-                f"got {got}"
-            )
-        seed, step = state.tolist()
-        self._set_seed_stream(seed, step)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args) -> None:
-        # A state dict without the stream (one saved from single-device LoRALinears, or before the stream was
-        # state) still loads strictly: the layer keeps its own stream.
-        before = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:  # fmt: skip
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # Older state dicts hold a dropout stream [seed, step] here; the masks now follow the RNG state: ignore it.
         key = prefix + "_extra_state"
-        if key in missing_keys[before:]:
-            missing_keys.remove(key)
-
-    def _next_seed(self, tag: int) -> int:
-        # The tag is this rank's own CPU draw: ranks agree on the counter, not on their generators.
-        self._seed_step += 1
-        return (self._seed_base + self._seed_step * _SEED_STRIDE) % 2**62
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
 
     def _check_input(self, x: torch.Tensor, width: int) -> None:
         if self.weight.is_meta:
@@ -287,11 +257,10 @@ class _ParallelLoRALinear(nn.Module):
         self, dtype: torch.dtype, backend: str, group: torch.distributed.ProcessGroup
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local adapter shards; the replicated one gets its gradient all-reduced (in its own dtype, before
-        the cast to the compute dtype is undone) once per backward, unless inside ``no_sync``."""
+        the cast to the compute dtype is undone) once per optimizer step (``comm.DeferredGradReduction``)."""
         replicated = LAYOUTS[self.kind].replicated_factor
-        a_local, b_local = adapter_shards(
-            self.lora_A.weight, self.lora_B.weight, replicated, group, self.grad_sync
-        )
+        reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)
+        a_local, b_local = adapter_shards(self.lora_A.weight, self.lora_B.weight, replicated, group, reduce)
         if backend == "triton":  # one operand dtype per kernel
             a_local, b_local = cast_to(a_local, dtype), cast_to(b_local, dtype)
         return a_local, b_local
@@ -312,6 +281,9 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
     ``sequence_dim`` says (its other dim is the hidden one). Forward issues no collective (SP: one all-gather
     of x); backward one all-reduce of dx carrying base and LoRA terms together (SP: one reduce-scatter, plus
     one all-gather of the saved x shard for dA) and one all-reduce of dA.
+
+    With dropout, the TP ranks' default generators must be seeded alike: each rank draws its call's seed from its
+    own, and the ranks drop one mask only if they draw the same seed.
     """
 
     kind = "column"
@@ -326,7 +298,7 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
             return nn.functional.linear(input_comm(x, comm), w_local, b_local)
         a_local, b_lora = self._local_factors(dtype, backend, group)
         return LoRALinearFunction.apply(
-            x, w_local, b_local, a_local, b_lora, float(self.scale), self._dropout(0), backend, comm
+            x, w_local, b_local, a_local, b_lora, float(self.scale), self._dropout(x, 0), backend, comm
         )
 
 
@@ -337,6 +309,8 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
     in/tp]`` input, else along ``sequence_dim``) in the base output dtype. The LoRA partial joins the base
     partial before the one all-reduce (SP: reduce-scatter); the bias is added once after it. Backward issues
     no activation collective (SP: the base's all-gather of dy) and one all-reduce of dB.
+
+    With dropout, the TP ranks' default generators must be seeded alike (as for ``ColumnParallelLoRALinear``).
     """
 
     kind = "row"
@@ -359,9 +333,9 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
             y = output_comm(nn.functional.linear(x, w_local), comm)
         else:
             a_local, b_lora = self._local_factors(dtype, backend, group)
-            k_offset = self.mesh.get_local_rank() * (self.in_features // tp)
+            dropout = self._dropout(x, self.mesh.get_local_rank() * (self.in_features // tp))
             y = LoRALinearFunction.apply(
-                x, w_local, None, a_local, b_lora, float(self.scale), self._dropout(k_offset), backend, None, comm
+                x, w_local, None, a_local, b_lora, float(self.scale), dropout, backend, None, comm
             )
         if self.bias is not None:
             y = y + cast_to(_local(self.bias), dtype)
@@ -386,17 +360,21 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """Defer the replicated-factor gradient all-reduces of every parallel LoRA layer in ``model``.
 
     Backwards inside the context leave those gradients as local Partial sums; the first backward after it
-    reduces them together with its own contribution in the same single all-reduce. Use it for all but the
-    last micro-step of gradient accumulation::
+    reduces them together with its own contribution in the same single all-reduce, run by a hook once autograd
+    has accumulated them in ``.grad``. Use it for all but the last micro-step of gradient accumulation, each
+    micro-step's forward and backward inside it (the layers decide in the forward), eager or compiled::
 
         for i, batch in enumerate(micro_batches):
             ctx = no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
             with ctx:
                 loss_fn(model(batch)).backward()
+
+    Every micro-step's backward must have run before the synced step's forward.
     """
     modules = list(parallel_lora_modules(model))
     previous = [m.grad_sync for m in modules]
     for m in modules:
+        m._deferred_grad.hook(getattr(m, LAYOUTS[m.kind].replicated_factor).weight, m._group())
         m.grad_sync = False
     try:
         yield

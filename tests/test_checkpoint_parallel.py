@@ -9,14 +9,17 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
 from _dist import mesh, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import DeviceMesh
 
+import parallel_lora.checkpoint
 from parallel_lora import (
     ColumnParallelLoRALinear,
     LoRAConfig,
@@ -81,13 +84,31 @@ def test_adapter_saved_at_tp2_loads_at_tp4_and_on_one_process(tmp_path):
         assert torch.equal(single.get_parameter(name), t), name
 
 
-def _train_and_save_rank(root):
+def _with_old_dropout_streams(trainable_state):
+    """``_trainable_state`` as checkpoints had it when the parallel layers kept a dropout stream, ``[seed, step]``,
+    as their extra state."""
+
+    def with_streams(model, optimizer):
+        model_state, optim_state = trainable_state(model, optimizer)
+        model_state.update({f"{name}._extra_state": torch.tensor([12345, 7]) for name in ("up", "down")})
+        return model_state, optim_state
+
+    return with_streams
+
+
+def _train_and_save_rank(root, old_streams=False):
     model = Pair(mesh(), seed=1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     x = torch.randn(4, 8)
     model(x).square().mean().backward()
     opt.step()
-    save_checkpoint(root, model, opt, step=1)
+    trainable_state = parallel_lora.checkpoint._trainable_state
+    if old_streams:
+        parallel_lora.checkpoint._trainable_state = _with_old_dropout_streams(trainable_state)
+    try:
+        save_checkpoint(root, model, opt, step=1)
+    finally:
+        parallel_lora.checkpoint._trainable_state = trainable_state
     moments = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     return _full_adapters(model), moments
 
@@ -100,8 +121,12 @@ def _resume_rank(root):
     return meta["step"], _full_adapters(model), moments
 
 
-def test_training_checkpoint_saved_at_tp2_resumes_at_tp4(tmp_path):
-    adapters, moments = run_ranks(2, _train_and_save_rank, str(tmp_path))[0]
+@pytest.mark.parametrize("old_streams", [False, True], ids=["now", "with-old-dropout-streams"])
+def test_training_checkpoint_saved_at_tp2_resumes_at_tp4(tmp_path, old_streams):
+    # A checkpoint that holds the dropout streams the layers once kept (``_extra_state``) loads, the streams ignored.
+    adapters, moments = run_ranks(2, _train_and_save_rank, str(tmp_path), old_streams)[0]
+    saved = dcp.FileSystemReader(str(latest_checkpoint(tmp_path))).read_metadata().state_dict_metadata
+    assert ("model.up._extra_state" in saved) == old_streams, sorted(saved)
     assert any(m.abs().sum() > 0 for m in moments.values())
     for step, got_adapters, got_moments in run_ranks(4, _resume_rank, str(tmp_path)):
         assert step == 1
@@ -112,7 +137,7 @@ def test_training_checkpoint_saved_at_tp2_resumes_at_tp4(tmp_path):
 
 
 class SinglePair(nn.Module):
-    """``Pair`` of single-device ``LoRALinear``s: the same names, plain tensors, no dropout stream."""
+    """``Pair`` of single-device ``LoRALinear``s: the same names, plain tensors."""
 
     def __init__(self):
         super().__init__()
@@ -122,7 +147,6 @@ class SinglePair(nn.Module):
 
 def _resume_from_single_rank(root, adapters, moments):
     model = Pair(mesh(), seed=5)
-    stream = [layer.get_extra_state() for layer in (model.up, model.down)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     assert load_checkpoint(latest_checkpoint(root), model, opt)["step"] == 1
     for name, t in adapters.items():
@@ -130,8 +154,6 @@ def _resume_from_single_rank(root, adapters, moments):
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), moments[name]), name
-    # the checkpoint has no dropout stream for them: the layers keep their own
-    assert all(torch.equal(layer.get_extra_state(), s) for layer, s in zip((model.up, model.down), stream, strict=True))
 
 
 def test_training_checkpoint_of_single_device_layers_resumes_on_tp_layers(tmp_path):

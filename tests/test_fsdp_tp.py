@@ -8,10 +8,10 @@ norm; after training: adapter weights, and the frozen base bitwise unchanged.
 
 Built on the meta device instead (torchtitan's order), the same models, and single-device ``LoRALinear``s under
 FSDP2 alone, must hold the constructor's values after ``to_empty()`` and the per-module resets. And the whole
-torchtitan recipe at once (meta, ``lora_plan`` with SP, activation checkpointing, ``torch.compile``, FSDP2,
-a full state dict, dropout) must train bit for bit like the same model built plainly, and resume from its own
-state dicts through DCP (torchtitan's checkpointing) like the uninterrupted run. Adapter files hold the full
-tensors under FSDP2 x TP, and load back into both meshes' shards.
+torchtitan recipe at once (meta, ``lora_plan`` with SP, selective activation checkpointing, ``torch.compile`` with
+``fullgraph=True``, FSDP2, a full state dict, dropout) must train bit for bit like the same model built plainly, and
+resume from its own state dicts through DCP (torchtitan's checkpointing) like the uninterrupted run. Adapter files
+hold the full tensors under FSDP2 x TP, and load back into both meshes' shards.
 
 Tolerance (fp32 only): ``atol = 1e-5 * max|ref|``, ``rtol = 1e-5``: fp32 throughout; the distributed run
 differs only in summation order (tp partial sums, the dp average). Frozen weights are compared exactly.
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from parallel_lora import (
     ColumnParallelLoRALinear,
@@ -260,9 +261,22 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+def _save_dropout_seeds():
+    """Selective activation checkpointing that saves the dropout seeds and recomputes the rest (torchtitan has op-level
+    policies). On the CPU, torch 2.13's AOTAutograd cannot recompute a random op next to DTensor gradients
+    (tests/test_parallel.py pins it); on CUDA plain checkpointing replays the seed draw."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func is torch.ops.parallel_lora.dropout_seed.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def _recipe_model(mesh, *, meta: bool, recipe: bool) -> nn.Module:
     """Two blocks with LoRA dropout, TP with SP through ``lora_plan``, FSDP2; with ``recipe``, each block is also
-    activation-checkpointed and compiled (torchtitan's order: TP, AC, compile, FSDP)."""
+    activation-checkpointed and compiled whole (torchtitan's order: TP, AC, compile, FSDP)."""
     cfg = LoRAConfig(r=R, alpha=6, dropout=0.1, target_modules=("up", "down"))
     plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
             "down": RowwiseParallel(output_layouts=Shard(1))}  # fmt: skip
@@ -272,7 +286,11 @@ def _recipe_model(mesh, *, meta: bool, recipe: bool) -> nn.Module:
     for i, block in enumerate(model):
         parallelize_module(block, mesh["tp"], lora_plan(plan))
         if recipe:
-            model[i] = torch.compile(checkpoint_wrapper(block), backend="aot_eager")
+            # Static shapes: the blocks share checkpoint_wrapper's code, and the second block's input (another
+            # stride, requiring grad) would recompile it with dynamic shapes, which torch 2.13 does not trace through
+            # SequenceParallel's DTensor norm.
+            block = checkpoint_wrapper(block, context_fn=_save_dropout_seeds)
+            model[i] = torch.compile(block, fullgraph=True, dynamic=False, backend="aot_eager")
     for block in model:
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"])
@@ -329,7 +347,8 @@ def test_torchtitan_recipe_meta_sp_checkpoint_compile_fsdp2_trains_like_the_plai
 def _recipe_resumes_from_its_own_state_dict(root: str, steps: int = 2) -> None:
     """torchtitan's checkpointing (the model's and the optimizer's state dicts through DCP, nothing of ours) on
     the recipe model: a run rebuilt on the meta device and resumed from step ``steps`` draws the masks the
-    uninterrupted run drew, so its next losses and adapters match bit for bit."""
+    uninterrupted run drew (they follow the generators, seeded here per step), so its next losses and adapters match
+    bit for bit."""
     mesh = _dist.mesh((DP, TP), ("dp", "tp"))
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:

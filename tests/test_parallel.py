@@ -20,9 +20,9 @@ Exact (bitwise) where nothing is reduced or rounded: initialization, frozen base
 replicated factors across ranks. Each numeric test also shows its check can fail (the same comparison
 against the base-only output, a perturbed replica, the un-offset mask, the full-x byte count).
 
-Dropout seeds are read by wrapping the layer's ``_dropout(k_offset)`` (the one place a layer builds the
+Dropout seeds are read by wrapping the layer's ``_dropout(x, k_offset)`` (the one place a layer builds the
 ``Dropout`` of a forward call) and recording what it returns; the reference rebuilds the full-width mask
-from that seed with ``k_offset = 0``.
+from that seed with ``k_offset = 0``. Every rank's generator is seeded alike, as the layers require.
 
 Collectives are counted with ``CommDebugMode`` per phase; their dtypes are recorded by
 ``tests/_dist.CollectiveRecorder``. Adapter-gradient reductions are told apart from activation
@@ -48,7 +48,12 @@ from _reference import lora_reference
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, no_sync
 from parallel_lora.dropout import Dropout, keep_mask
@@ -104,7 +109,7 @@ def _tp_pair(dtype: torch.dtype, sp: bool, dropout: float = 0.0):
     mesh = _dist.mesh()
     col, row = _full_pair(dtype, dropout)
     col_ref, row_ref = _reference_of(col, row)
-    # Ranks draw differently while converting (e.g. the dropout base seed): rank 0's draw must win.
+    # Ranks seeded differently while converting: rank 0's values must win.
     torch.manual_seed(100 + dist.get_rank())
     ColumnParallelLoRALinear.from_lora_linear(col, mesh, sp)
     RowParallelLoRALinear.from_lora_linear(row, mesh, sp)
@@ -553,7 +558,7 @@ def test_init_is_independent_of_tp_size_and_comes_from_rank_0(world_size):
 def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
     """torchtitan's flow: build on the meta device, ``to_empty()``, then ``reset_parameters()``. The full tensors
     must be the constructor's (so independent of the TP size), and rank 0's draw whatever the other ranks'
-    generators; the ranks must agree on the dropout seed, drawn for real at construction."""
+    generators; the ranks of a tp group share the dropout seeds' offset."""
     mesh, rank, device = _dist.mesh(), dist.get_rank(), _dist.device()
     cfg = _config(dropout=0.25)
     for cls, (fan_in, fan_out) in ((ColumnParallelLoRALinear, (K, H)), (RowParallelLoRALinear, (H, N))):
@@ -581,8 +586,8 @@ def _meta_built_layers_initialise_like_constructed_ones(seed: int) -> None:
                 assert got.placements == (getattr(LAYOUTS[cls.kind], name.split(".")[0]),), f"{what}: {name}"
                 assert torch.equal(got.full_tensor(), ref.get_parameter(name)), f"{what}: {name} differs"
             assert layer.lora_A.weight.requires_grad and not layer.weight.requires_grad, what
-            seed_base = torch.tensor([layer._seed_base], device=device)
-            _dist.assert_same_on_all_ranks(seed_base, f"{what}: dropout seed base")
+            offset = torch.tensor([layer._dropout_stream.offset], device=device)
+            _dist.assert_same_on_all_ranks(offset, f"{what}: dropout seed offset")
             # It runs like the constructed layer: the same output and adapter gradients.
             torch.manual_seed(seed)
             constructed = cls(fan_in, fan_out, cfg, mesh, bias=True)
@@ -604,10 +609,10 @@ def test_layers_built_on_the_meta_device_initialise_like_constructed_ones(world_
 
 
 def _recording(make_dropout, used: list):
-    """Wrap a layer's ``_dropout(k_offset)`` so every ``Dropout`` (or ``None``) it returns is recorded."""
+    """Wrap a layer's ``_dropout(x, k_offset)`` so every ``Dropout`` (or ``None``) it returns is recorded."""
 
-    def wrapped(k_offset: int):
-        used.append(make_dropout(k_offset))
+    def wrapped(x: torch.Tensor, k_offset: int):
+        used.append(make_dropout(x, k_offset))
         return used[-1]
 
     return wrapped
@@ -640,7 +645,7 @@ def _dropout_matches_reference(sp: bool, position: str) -> None:
             d = used[-1]
             want_offset = rank * (fan_in // tp) if kind == "row" else 0
             assert d.k_offset == want_offset, f"{kind}: k_offset {d.k_offset} != {want_offset}"
-            seeds.append(d.seed)
+            seeds.append(int(d.seed))
             full_mask = Dropout(p=d.p, seed=d.seed, position=d.position, k_offset=0)
             r = lora_reference(
                 x_full, ref.weight, ref.bias, ref.lora_A.weight, ref.lora_B.weight, layer.scale, dy_full,
@@ -673,57 +678,46 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, position
     _dist.run_ranks(world_size, _dropout_matches_reference, sp, position)
 
 
-def _dropout_stream_rides_the_state_dict() -> None:
-    """A layer's dropout stream (the agreed seed and its call counter) is module state: a layer built with
-    another seed, on the meta device or not, draws the saved layer's next masks once it loads the state dict.
-    Checkpointers may keep one copy for all ranks (DCP does): loaded everywhere from global rank 0, the
-    stream keeps tp ranks in agreement and data-parallel replicas apart."""
+def _dropout_seeds_follow_the_generators() -> None:
+    """Dropout seeds come from each rank's default generator: the tp ranks of a group, seeded alike, draw one mask;
+    data-parallel replicas (other tp groups) draw apart; restoring the generator replays the seeds (so a resumed run,
+    whose ranks get their saved RNG states back, draws the uninterrupted run's masks). A state dict from when the
+    layers kept a dropout stream (``[seed, step]`` as ``_extra_state``) still loads strictly, the stream ignored."""
     mesh = _dist.mesh((2, 2), ("dp", "tp"))["tp"]
-    cfg = LoRAConfig(r=R, alpha=6, dropout=0.3)
     torch.manual_seed(1)
-    saved = ColumnParallelLoRALinear(K, H, cfg, mesh).train()
+    layer = ColumnParallelLoRALinear(K, H, LoRAConfig(r=R, alpha=6, dropout=0.3), mesh).train()
     x = torch.randn(BATCH, SEQ, K)
-    for _ in range(3):
-        saved(x)
-    torch.manual_seed(2 + dist.get_rank())
-    with torch.device("meta"):
-        resumed = ColumnParallelLoRALinear(K, H, cfg, mesh).train()
-    resumed.to_empty(device=_dist.device())
+    used: list[Dropout | None] = []
+    layer._dropout = _recording(layer._dropout, used)
 
-    def next_seed(layer: nn.Module) -> int:
-        used: list[Dropout | None] = []
-        layer._dropout, make = _recording(layer._dropout, used), layer._dropout
+    def next_seed() -> int:
         layer(x)
-        layer._dropout = make
-        return used[0].seed
+        return int(used[-1].seed)
 
-    state = saved.state_dict()
-    assert torch.equal(state["_extra_state"], torch.tensor([saved._seed, 3]))
-    want = next_seed(saved)
-    assert next_seed(resumed) != want, "the check below could not fail"
-    resumed.load_state_dict(state)
-    assert next_seed(resumed) == want
-    # A state dict without the stream (saved before it was state) still loads strictly, keeping the layer's own.
-    own = resumed.get_extra_state()
-    resumed.load_state_dict({k: v for k, v in state.items() if k != "_extra_state"})
-    assert torch.equal(resumed.get_extra_state(), own)
+    state = torch.get_rng_state()
+    seeds = [next_seed(), next_seed()]
+    assert seeds[0] != seeds[1], "two forwards reused one dropout seed"
+    torch.set_rng_state(state)
+    assert next_seed() == seeds[0], "the restored generator drew another seed"
+    everyone = _dist.all_gather_object(seeds)  # global ranks (0, 1) and (2, 3) form the tp groups
+    assert everyone[0] == everyone[1] and everyone[2] == everyone[3], f"tp ranks disagree on the seeds: {everyone}"
+    assert everyone[0][0] != everyone[2][0], f"data-parallel replicas share dropout masks: {everyone}"
+    # The requirement the docs state: ranks whose generators differ draw different masks.
+    torch.manual_seed(2 + dist.get_rank())
+    alone = _dist.all_gather_object(next_seed())
+    assert alone[0] != alone[1], alone
 
-    # One copy for every rank, as DCP writes a replicated value once.
-    dist.broadcast(state["_extra_state"], src=0)
-    for layer in (saved, resumed):
-        layer.set_extra_state(state["_extra_state"])
-    seeds = _dist.all_gather_object([next_seed(saved), next_seed(resumed)])
-    dp_groups = [[seeds[0], seeds[1]], [seeds[2], seeds[3]]]  # global ranks (0, 1) and (2, 3) form the tp groups
-    assert all(a == b for a, b in dp_groups), f"tp ranks disagree on the dropout seed: {seeds}"
-    assert dp_groups[0][0] != dp_groups[1][0], f"data-parallel replicas share dropout masks: {seeds}"
-    assert seeds[0][0] == seeds[0][1], "layers that loaded one stream drew apart"
-
-    with pytest.raises(ValueError, match=r"int64 tensor \[seed, step\]; got torch.float32 tensor of shape \(2,\)"):
-        resumed.set_extra_state(torch.zeros(2))
+    del layer._dropout
+    state_dict = layer.state_dict()
+    assert not [k for k in state_dict if k.endswith("_extra_state")], list(state_dict)
+    loaded = layer.load_state_dict({**state_dict, "_extra_state": torch.tensor([12345, 3])})
+    assert loaded.missing_keys == [] and loaded.unexpected_keys == [], loaded
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"extra\""):
+        layer.load_state_dict({**state_dict, "extra": torch.tensor([12345, 3])})
 
 
-def test_dropout_stream_rides_the_state_dict():
-    _dist.run_ranks(4, _dropout_stream_rides_the_state_dict)
+def test_dropout_seeds_agree_across_tp_ranks_differ_across_replicas_and_replay_from_the_generator():
+    _dist.run_ranks(4, _dropout_seeds_follow_the_generators)
 
 
 def _save_matmuls_context():
@@ -737,27 +731,53 @@ def _save_matmuls_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def _save_dropout_seeds_context():
+    """Selective activation checkpointing that saves the layers' dropout seeds (8 bytes a call) and recomputes the
+    rest: on the CPU, torch 2.13's AOTAutograd cannot recompute a random op in a region whose graph also returns
+    DTensor gradients (it places the replayed generator state among the saved tensors, after the saved mesh)."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func is torch.ops.parallel_lora.dropout_seed.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _rng_state() -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if _dist.device_type() == "cuda" else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     """One dropout step of ``row(gelu(col(x)))`` run through ``region`` gives the plain eager step's output and
     gradients bit for bit, given the same forward seeds."""
     col, row, _, _ = _tp_pair(F32, sp, dropout=0.4)
     for m in (col, row):
         m.train()
-    tp, rank = dist.get_world_size(), dist.get_rank()
-    x_full = _seq_shard(torch.randn(BATCH, SEQ, K), sp)
-    dy = _seq_shard(torch.randn(BATCH, SEQ, N), sp)
+    tp, rank, device = dist.get_world_size(), dist.get_rank(), _dist.device()
+    x_full = _seq_shard(torch.randn(BATCH, SEQ, K, device=device), sp)
+    dy = _seq_shard(torch.randn(BATCH, SEQ, N, device=device), sp)
 
     def mlp(x: torch.Tensor) -> torch.Tensor:
         return row(F.gelu(col(x)))
 
-    # Reruns and recompiles must draw the forward's masks; torch.compile must keep the kernels and seeds eager.
+    def compiled(context_fn=noop_context_fn):
+        run = lambda x: checkpoint(mlp, x, use_reentrant=False, context_fn=context_fn)  # noqa: E731
+        return torch.compile(run, fullgraph=True, backend="aot_eager")
+
+    # Reruns and recomputes must draw the forward's masks.
     regions = {
         "checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=False),
         "reentrant checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=True),
         "selective checkpoint": lambda x: checkpoint(mlp, x, use_reentrant=False, context_fn=_save_matmuls_context),
-        "torch.compile": torch.compile(mlp, backend="aot_eager"),
-        "torch.compile of a checkpoint": torch.compile(lambda x: checkpoint(mlp, x, use_reentrant=False),
-                                                       backend="aot_eager"),
+        "torch.compile of a checkpoint": compiled(),
+        "torch.compile of a checkpoint saving the seeds": compiled(_save_dropout_seeds_context),
     }
 
     def step(run) -> list[torch.Tensor]:
@@ -769,18 +789,17 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
         return [y.detach(), x.grad, *(_full(p.grad) for _, p in _adapters(col, row))]
 
     # Two steps each: a compiled graph that baked in one call's seed would reuse its masks in the next.
-    steps = {m: m._seed_step for m in (col, row)}
-    rng = torch.get_rng_state()
+    rng = _rng_state()
     want = [step(mlp), step(mlp)]
-    for m, s in steps.items():  # the same forward seeds again
-        m._seed_step = s
-    torch.set_rng_state(rng)
+    after = _rng_state()
+    _set_rng_state(rng)  # the same forward seeds again
     got = [step(regions[region]), step(regions[region])]
     names = ["y", "x.grad", *(n for n, _ in _adapters(col, row))]
     for i in range(2):
         for name, g, w in zip(names, got[i], want[i], strict=True):
             assert torch.equal(g, w), f"tp={tp} rank {rank}: step {i}: {name} differs under {region}"
-    assert all(m._seed_step == s + 2 for m, s in steps.items()), f"{region} advanced the seed counter more than once"
+    for now, then in zip(_rng_state(), after, strict=True):
+        assert now is None or torch.equal(now, then), f"{region} drew other random numbers than the plain steps"
     # The check can fail: the second step draws other masks, and its adapter gradients differ.
     assert not torch.equal(want[0][-1], want[1][-1])
 
@@ -791,10 +810,18 @@ def test_activation_checkpointing_reruns_the_forward_dropout_masks(region, sp):
     _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
 
 
-@pytest.mark.parametrize("region", ["torch.compile", "torch.compile of a checkpoint"])
 @SP
-def test_torch_compile_of_the_tp_layers_with_dropout_matches_eager(region, sp):
-    _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
+def test_torch_compile_of_a_selective_checkpoint_saving_the_seeds_reruns_the_forward_dropout_masks(sp):
+    _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint saving the seeds", sp)
+
+
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="torch 2.13 on the CPU: AOTAutograd saves the replayed generator state after the DTensor gradients' mesh",
+)  # fmt: skip
+def test_torch_compile_of_a_checkpoint_with_dropout_fails_on_the_cpu_in_torch():
+    # When this passes, torch has fixed it: drop the seed-saving policy from the CPU tests and the docs' note.
+    _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint", False)
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -848,6 +875,13 @@ def test_bad_shapes_meshes_and_devices_raise_errors_naming_the_numbers(world_siz
 def test_gpu_nccl_triton_bf16_mlp_matches_single_device_fp64(world_size, sp):
     """NCCL, one GPU per rank, ``backend="auto"`` (the fused Triton kernels on CUDA), bf16 base."""
     _dist.run_ranks(world_size, _mlp_matches_reference, BF16, sp, backend="nccl")
+
+
+@gpu
+@SP
+def test_gpu_nccl_torch_compile_of_a_checkpointed_tp_mlp_reruns_the_forward_dropout_masks(sp):
+    """On CUDA, AOTAutograd replays the seed draw from graph-safe generator states: plain checkpointing works."""
+    _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint", sp, backend="nccl")
 
 
 @gpu
