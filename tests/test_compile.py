@@ -1,25 +1,36 @@
-"""``LoRALinear`` under ``torch.compile(fullgraph=True)`` and in CUDA graphs (``parallel_lora.ops``, the dropout seeds
-of ``parallel_lora.dropout``).
+"""The layers under ``torch.compile(fullgraph=True)`` and in CUDA graphs (``parallel_lora.ops``, the dropout seeds
+of ``parallel_lora.dropout``, the functional collectives of ``parallel_lora.comm``).
 
 Reference: the same module run eagerly (a deep copy), from the same generator state. ``aot_eager`` runs the very
 ops the eager path runs, and Inductor on the CPU computes this small ReLU model's ops exactly, so there the compiled
 step equals the eager one bit for bit; Inductor on a GPU fuses the block's norms and residuals, so the GPU block
 compares within bf16 rounding. Every test drops with p > 0 and checks that the masks change from step to step: a
 compiled step that drew other seeds than the eager one, or reused one, would be far outside any tolerance.
+
+The tensor-parallel MLP runs on two gloo ranks (``tests/_dist.py``). Its compiled collectives are counted in the
+forward and backward graphs AOTAutograd hands the backend (``CommDebugMode`` cannot wrap a compiled call) and
+compared with ``CommDebugMode``'s counts of the eager step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections import Counter
 
+import _dist
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
-from parallel_lora import LoRAConfig, LoRALinear, lora_linear
+import parallel_lora.comm
+from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear, no_sync
 
 F32, BF16 = torch.float32, torch.bfloat16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -123,12 +134,163 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(backward, (dy, x, w, a, bb, s, 2.0, 0.0, None, "pre", 0, False, True, False))
     dx, da, db = backward(dy, x, w, a, bb, s, 2.0, 0.0, None, "pre", 0, False, True, False)
     assert dx.shape == (0,) and da.shape == a.shape and db.shape == (0,)
+    # The sequence-parallel column layer's backward re-gathers a copy of x that waits for the incoming gradient.
+    torch.library.opcheck(torch.ops.parallel_lora.after_grad.default, (x, dy))
+    assert torch.equal(torch.ops.parallel_lora.after_grad(x, dy), x)
 
 
 def test_the_seed_op_is_one_int64_on_its_inputs_device():
     with FakeTensorMode():
         seed = torch.ops.parallel_lora.dropout_seed(torch.empty(3, 5, device="meta"))
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device.type == "meta"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensor parallel: a column -> row LoRA MLP at tp = 2 (gloo).
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _GraphCollectives:
+    """An ``aot_eager`` backend that records, per graph it compiles, the collectives in it: ``(op, rank of the
+    tensor)`` (adapter gradients are 2-D, the MLP's activations 3-D)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[tuple[str, Counter]] = []  # ("forward" | "backward", Counter of (op, ndim))
+
+    def _counting(self, phase: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            found = Counter()
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                    name = _dist.collective_name(node.target.namespace, node.target._opname)
+                    if name is not None:
+                        found[name, node.args[0].meta["val"].dim()] += 1
+            self.graphs.append((phase, found))
+            return boxed_nop(gm, example_inputs)
+
+        return compiler
+
+    def __call__(self, gm, example_inputs):
+        return aot_eager(gm, example_inputs, fw_compiler=self._counting("forward"),
+                         bw_compiler=self._counting("backward"))  # fmt: skip
+
+    def ops(self, index: int) -> dict[str, int]:
+        """Collectives of graph ``index`` by op, whatever their tensors."""
+        counts = Counter()
+        for (name, _), n in self.graphs[index][1].items():
+            counts[name] += n
+        return dict(counts)
+
+
+def _eager_ops(mode: CommDebugMode) -> dict[str, int]:
+    """``CommDebugMode``'s counts under the collectives' functional names (in-place c10d all-reduces included)."""
+    counts: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).rsplit(".", 1)[-1]
+        counts[_dist.C10D_NAMES.get(name, name)] += n
+    return {name: n for name, n in counts.items() if n}
+
+
+def _tp_mlp(sp: bool, p: float) -> nn.Sequential:
+    """``row(gelu(column(x)))`` with bias, r = 3, random B, "pre" dropout on the column, "post" on the row."""
+    mesh = _dist.mesh()
+    torch.manual_seed(1234)
+    col = ColumnParallelLoRALinear(16, 24, LoRAConfig(r=3, alpha=6, dropout=p), mesh, bias=True, sequence_parallel=sp)
+    row_config = LoRAConfig(r=3, alpha=6, dropout=p, dropout_position="post")
+    row = RowParallelLoRALinear(24, 16, row_config, mesh, bias=True, sequence_parallel=sp)
+    with torch.no_grad():
+        for layer in (col, row):
+            layer.lora_B.weight.to_local().normal_()
+    return nn.Sequential(col, nn.GELU(), row).train()
+
+
+def _tp_step(model: nn.Module, x: torch.Tensor, run=None) -> list[torch.Tensor]:
+    """Output, x's gradient and every adapter's local gradient (a DTensor's, checked to keep its placements)."""
+    x = x.detach().requires_grad_(True)
+    y = (run or model)(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    dy = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+    grads = torch.autograd.grad(y, [x, *params], dy)
+    for g, p in zip(grads[1:], params, strict=True):
+        assert g.placements == p.placements, f"a gradient placed {g.placements}, its parameter {p.placements}"
+    return [y.detach(), grads[0], *(g.to_local() for g in grads[1:])]
+
+
+def _compiled_tp_mlp_matches_eager(sp: bool, p: float) -> None:
+    model = _tp_mlp(sp, p)
+    x = torch.randn(2, 8 // (dist.get_world_size() if sp else 1), 16)
+    explained = torch._dynamo.explain(copy.deepcopy(model))(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    graphs = _GraphCollectives()
+    compiled = torch.compile(copy.deepcopy(model), fullgraph=True, backend=graphs)
+    with torch.random.fork_rng():
+        with CommDebugMode() as fwd:
+            y = model(x.detach().requires_grad_(True))
+        with CommDebugMode() as bwd:
+            y.sum().backward()
+    steps = []
+    for _ in range(2):
+        state = torch.get_rng_state()  # both draw the same dropout seeds
+        want = _tp_step(model, x)
+        torch.set_rng_state(state)
+        steps.append((want, _tp_step(compiled, x)))
+    for step, (want, got) in enumerate(steps):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager"
+    if p > 0:
+        assert not torch.equal(steps[0][0][0], steps[1][0][0]), "the second step reused the first step's masks"
+    assert [phase for phase, _ in graphs.graphs] == ["forward", "backward"], "one graph each way, no recompile"
+    assert (graphs.ops(0), graphs.ops(1)) == (_eager_ops(fwd), _eager_ops(bwd)), "compiled vs eager collectives"
+    # The check can fail: the eager step issues collectives in both directions (the row output, dx and dA/dB).
+    assert _eager_ops(fwd) and _eager_ops(bwd)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_compiled_tp_mlp_traces_whole_matches_eager_and_issues_its_collectives(sp, p):
+    _dist.run_ranks(2, _compiled_tp_mlp_matches_eager, sp, p)
+
+
+def _compiled_no_sync_matches_eager(micro_steps: int = 3) -> None:
+    """Gradient accumulation with ``no_sync`` around compiled micro-steps gives the eager accumulation's gradients bit
+    for bit, and reduces each replicated factor once per optimizer step: not in the deferred micro-steps' graphs,
+    nor in the synced one's, but in the hook after it; a synced step without deferred ones reduces in its graph."""
+    model = _tp_mlp(sp=False, p=0.1)
+    graphs = _GraphCollectives()
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=graphs)
+    hooked = []
+    reduce = parallel_lora.comm.reduce_accumulated_grad
+    parallel_lora.comm.reduce_accumulated_grad = lambda param, group: hooked.append(param.dim()) or reduce(param, group)
+    try:
+        batches = [torch.randn(2, 8, 16) for _ in range(micro_steps + 1)]
+        grads, state = [], torch.get_rng_state()
+        for m, run in ((model, model), (compiled_model, compiled)):
+            hooked.clear()
+            torch.set_rng_state(state)  # both draw the same dropout seeds
+            for i, x in enumerate(batches):
+                deferred = i < micro_steps - 1
+                if i == micro_steps:  # the next optimizer step's first micro-step, synced
+                    grads.append([p.grad.to_local().clone() for p in m.parameters() if p.requires_grad])
+                    m.zero_grad(set_to_none=True)
+                with no_sync(m) if deferred else contextlib.nullcontext():
+                    run(x).sum().backward()
+            grads[-1] += [p.grad.to_local() for p in m.parameters() if p.requires_grad]
+            assert hooked == [2, 2], f"the synced micro-step's hook reduced {hooked}, not each replicated factor once"
+    finally:
+        parallel_lora.comm.reduce_accumulated_grad = reduce
+    for i, (g, w) in enumerate(zip(grads[1], grads[0], strict=True)):
+        assert torch.equal(g, w), f"adapter grad {i} of the compiled accumulation differs from eager"
+    adapter_reductions = [sum(n for (name, ndim), n in found.items() if ndim == 2) for _, found in graphs.graphs]
+    phases = [phase for phase, _ in graphs.graphs]
+    # Graphs: deferred micro-steps, the synced step after them, then a synced step after a synced one.
+    assert phases == ["forward", "backward"] * 3, phases
+    assert adapter_reductions == [0, 0, 0, 0, 0, 2], adapter_reductions
+    _dist.assert_same_on_all_ranks(compiled_model[0].lora_A.weight.grad.to_local(), "column dA after no_sync")
+
+
+def test_compiled_no_sync_reduces_once_per_step_like_eager():
+    _dist.run_ranks(2, _compiled_no_sync_matches_eager)
 
 
 # ---------------------------------------------------------------------------------------------------------
