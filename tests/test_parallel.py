@@ -744,14 +744,14 @@ def _save_dropout_seeds_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _rng_state() -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if _dist.device_type() == "cuda" else None
+def _rng_state() -> torch.Tensor:
+    """The state of the generator the dropout seeds come from (on CUDA, eager calls also draw CPU tags; compiled
+    ones do not)."""
+    return torch.cuda.get_rng_state() if _dist.device_type() == "cuda" else torch.get_rng_state()
 
 
-def _set_rng_state(state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
+def _set_rng_state(state: torch.Tensor) -> None:
+    (torch.cuda.set_rng_state if _dist.device_type() == "cuda" else torch.set_rng_state)(state)
 
 
 def _mlp_step_matches_eager(region: str, sp: bool) -> None:
@@ -798,8 +798,7 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     for i in range(2):
         for name, g, w in zip(names, got[i], want[i], strict=True):
             assert torch.equal(g, w), f"tp={tp} rank {rank}: step {i}: {name} differs under {region}"
-    for now, then in zip(_rng_state(), after, strict=True):
-        assert now is None or torch.equal(now, then), f"{region} drew other random numbers than the plain steps"
+    assert torch.equal(_rng_state(), after), f"{region} drew other random numbers than the plain steps"
     # The check can fail: the second step draws other masks, and its adapter gradients differ.
     assert not torch.equal(want[0][-1], want[1][-1])
 
