@@ -1,7 +1,9 @@
 """Tiny random Hugging Face checkpoints for the tests, written offline with ``save_pretrained``.
 
-Each has hidden size 64, 2 layers, 4 heads (2 key/value heads), a 128-token vocabulary and a word-level tokenizer
-trained on the launcher's generated corpus (the ``tokenizers`` library, nothing downloaded). The architectures
+Each has hidden size 64, 2 layers, 4 heads (2 key/value heads) and a tokenizer trained on the launcher's
+generated corpus (the ``tokenizers`` library, nothing downloaded): word-level with 128 tokens, or for the Qwen
+models byte-level BPE with 384, since transformers reads any Qwen checkpoint's tokenizer as ``Qwen2Tokenizer``, a
+byte-level BPE built from the file's vocabulary and merges (a word-level file would be mis-read). The architectures
 differ where loading can go wrong: Qwen2 has q/k/v biases and tied embeddings, Qwen3 per-head q/k norms (a
 replicated plan entry) and an explicit ``head_dim``, Mistral a sliding window.
 """
@@ -17,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
 from data import generate_corpus  # noqa: E402
 
-VOCAB = 128
+VOCAB = 128  # every model's vocabulary has at least this many tokens
+BPE_VOCAB = 384  # the Qwen models': the 256 bytes, 4 specials and merges
 SPECIAL = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=2, eos_token_id=3)
@@ -31,8 +34,8 @@ def tiny_config(arch: str = "llama", **overrides):
     extra = {
         "llama": {},
         "mistral": {"sliding_window": 32},
-        "qwen2": {"tie_word_embeddings": True},
-        "qwen3": {"head_dim": 16, "tie_word_embeddings": False},
+        "qwen2": {"tie_word_embeddings": True, "vocab_size": BPE_VOCAB},
+        "qwen3": {"head_dim": 16, "tie_word_embeddings": False, "vocab_size": BPE_VOCAB},
     }[arch]
     return transformers.AutoConfig.for_model(arch, **{**COMMON, **extra, **overrides})
 
@@ -41,14 +44,23 @@ def tokenizer_text() -> str:
     return generate_corpus(3000, seed=1)
 
 
-def write_tokenizer(folder: str | Path):
-    """A word-level fast tokenizer of ``VOCAB`` entries (4 specials first: pad 0, unk 1, bos 2, eos 3) in ``folder``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def write_tokenizer(folder: str | Path, arch: str = "llama"):
+    """``arch``'s fast tokenizer (4 specials first: pad 0, unk 1, bos 2, eos 3) in ``folder``: word-level of ``VOCAB``
+    entries, or byte-level BPE of ``BPE_VOCAB`` for the Qwen models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<unk>", "<s>", "</s>"])
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    if arch.startswith("qwen"):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk_token"]))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=specials)
     tok.train_from_iterator(tokenizer_text().split("\n"), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
     fast.save_pretrained(str(folder))
@@ -72,5 +84,5 @@ def write_checkpoint(
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(folder), max_shard_size="100KB" if sharded else "10GB")
     if tokenizer:
-        write_tokenizer(folder)
+        write_tokenizer(folder, arch)
     return folder

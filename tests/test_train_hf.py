@@ -118,7 +118,7 @@ def test_model_run_lowers_the_train_and_eval_loss(runs, arch):
     assert [r["step"] for r in rows if "eval_loss" in r] == [5, 10, 15, 20]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    assert evals[-1] < evals[0] - 0.2, evals
+    assert evals[-1] < evals[0] - 0.1 and evals == sorted(evals, reverse=True), evals  # held-out tokens: slower
     assert (runs[arch] / "loss.png").stat().st_size > 0
     assert sorted(p.name for p in (runs[arch] / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
 
