@@ -335,7 +335,7 @@ def _checkpointed_step_is_bitwise(path: str) -> None:
     ids = torch.randint(0, _hf.VOCAB, (2, 12))
     results = []
     for checkpointing in (False, True):
-        torch.manual_seed(0)  # the layers' dropout streams are drawn when they are built
+        torch.manual_seed(0)  # the masks' seeds come from the generator: both runs start from one state
         model = from_pretrained(path, config, mesh=_dist.mesh(), dtype=torch.float32)
         _random_B(model)
         if checkpointing:

@@ -30,7 +30,7 @@ from model import Transformer, check_tp, config_for  # noqa: E402
 from train import TARGET_MODULES  # noqa: E402
 
 STEPS = 8
-# Dropout on, so resume must also restore the layers' dropout streams (their state dicts) to reproduce the masks.
+# Dropout on, so resume must also restore each rank's RNG state (the masks' seeds are drawn from it).
 COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--save-every", "3", "--batch-size", "4", "--seq-len", "64",
           "--dropout", "0.1", "--seed", "0"]
 
@@ -225,7 +225,7 @@ def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a
     check_ok(resumed)
     assert "resuming from" in resumed.stdout and "step_00000003 at step 3" in resumed.stdout
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
-    # tp=1 after tp=2: the same masks (the dropout streams are checkpointed), sums in another order.
+    # tp=1 after tp=2: the same masks (rank 0's RNG state is checkpointed), sums in another order.
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
 
