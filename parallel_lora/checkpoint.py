@@ -361,7 +361,11 @@ def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore a ``save_checkpoint`` directory (resharding to the current TP layout); returns its metadata
-    ``{"step": ..., "extra": ...}``. RNG states are restored when this rank saved one.
+    ``{"step": ..., "extra": ...}``.
+
+    RNG states: each rank restores the ones it saved; a rank the saving run did not have (a resume on more ranks)
+    restores rank 0's. That keeps the TP ranks' generators in one state, which their dropout masks need, where the
+    saving run seeded its ranks alike (as the launcher seeds the TP ranks of a replica).
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
     ``RuntimeError`` saying so). A checkpoint whose adapter shapes or names differ from the model's raises
@@ -387,6 +391,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     rng_file = path / f"rng_rank{_rank()}.pt"
+    if not rng_file.is_file():
+        rng_file = path / "rng_rank0.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])

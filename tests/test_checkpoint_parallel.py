@@ -267,3 +267,22 @@ def test_save_adapter_on_rank_0_only_raises_that_every_rank_must_call_it(tmp_pat
             p.join()
     assert "save_adapter is collective: every rank must call it" in message, message
     assert not (tmp_path / "adapter").exists()
+
+
+def _resume_rng_rank(root):
+    model = Pair(mesh(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(100 + dist.get_rank())  # generators apart before the load: only a restore aligns them
+    load_checkpoint(latest_checkpoint(root), model, opt)
+    return torch.randint(0, 2**62, (4,))
+
+
+def test_training_checkpoint_resumed_on_more_ranks_gives_every_rank_rank0s_rng_state(tmp_path):
+    # The dropout masks of TP ranks agree only while their generators do: a rank the saving run did not have must
+    # not keep its own state while the others restore theirs.
+    model = SinglePair()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    save_checkpoint(tmp_path, model, opt, step=1)  # one process: rng_rank0.pt only
+    expected = torch.randint(0, 2**62, (4,))
+    for rank, drawn in enumerate(run_ranks(2, _resume_rng_rank, str(tmp_path))):
+        assert torch.equal(drawn, expected), rank
