@@ -8,15 +8,15 @@
 (dA is written through transposed output strides, so both land in their natural layout.) The grid's first
 axis covers the ``BLOCK_F`` column tiles of x, then those of dy; a program owns one tile and the whole padded
 rank, ``acc [R_PAD, BLOCK_F]`` (fp32), and walks one contiguous chunk of ``m_per_split`` rows in ``BLOCK_M``
-steps, ``acc += g_tile^T @ feat_tile`` (``blocks.reduce_item``): the big operand stays in its row-major layout,
-through a TMA descriptor where its rows allow (16-bit, Hopper), else through pointers. This form streams at
-about 2.5 TB/s on an H200 at M, F = 8192, 4096, twice the ``feat^T [F, M] @ g`` form.
+steps, ``acc += g_tile^T @ feat_tile`` (``blocks.reduce_item``): the big operand is read along its rows, in its
+row-major layout, through a TMA descriptor where its rows allow (16-bit, Hopper), else through pointers; the
+``feat^T [F, M] @ g`` form would read it across its rows, at about half the bandwidth.
 
 With one split a program stores its tile. With several, each stores an fp32 partial and bumps its tile's
 arrival counter; the last to arrive sums the partials in split order (a fixed order: bitwise reproducible, no
 atomics on the data), stores the tile and resets the counter for the next launch. So the whole reduction is
-one launch at any M; the host issues no sum and no cast (each cost 15-25 us of host time on autograd's device
-thread, more than the reduction itself at short M). The split count depends only on the shape (never on the
+one launch at any M; the host issues no sum and no cast (each would cost more host time on autograd's device
+thread than the reduction itself takes at short M). The split count depends only on the shape (never on the
 tuned config), and every split length is a multiple of every config's ``BLOCK_M``.
 """
 

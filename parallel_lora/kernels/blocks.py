@@ -155,8 +155,7 @@ def gemm_tiles(
 
     With ``RANK_TMA`` (``rank_tma``; never with ``LORA_DROP``) the rank tiles come through TMA descriptors and
     the tile and K loops are flattened into one software pipeline, so a tile's first loads are in flight while
-    the previous tile's rank term and store run (H100, 8192 x 4096 -> 4096: 4-7 us faster a GEMM). Otherwise
-    each tile's K loop starts on an empty pipeline."""
+    the previous tile's rank term and store run. Otherwise each tile's K loop starts on an empty pipeline."""
     x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
                                                 stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     if RANK_TMA:
@@ -189,7 +188,7 @@ def gemm_tiles(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if RANK_TMA:
             # The whole rank in one step (``rank_tma``: R_PAD == BLOCK_R); through descriptors, which is what
-            # lets the loops be flattened (with pointer loads here the flattened GEMM ran at 1.2x cuBLAS).
+            # lets the loops be flattened (pointer loads here would stall the flattened pipeline: ``gemm_tma``).
             acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, 0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
         elif not LORA_DROP:
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
@@ -215,7 +214,7 @@ def shrink_rows(
     "pre" mask's ``k_offset`` is odd (``dropout_mask.drop_tile``). ``X_TMA``: x's tiles through a TMA descriptor
     (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as the fused forward's
     producers read them. The masked pointer loads pipeline too once the strides specialize on 16, as on a GPU
-    launch; the standalone shrink through TMA was no faster (H200, 8192 x 4096)."""
+    launch, so the standalone shrink keeps them."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, R_PAD)

@@ -14,9 +14,8 @@ stored: each kernel that needs one regenerates its tile from the seed (``drop_ti
 Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the word term once per word of the
 ``[1, BN / 2]`` vector; per word of the ``[BM, BN / 2]`` tile only the add and the outer fmix32 run (9 integer
 ops: add; 3 shifts, 3 xors, 2 multiplies), and per element a shift for the low half and one unsigned compare
-against a per-program threshold, against ~130 ops for a Philox-4x32-10 draw per element. Two elements per hash
-cut the instructions of the masked dx tile's mask (128 x 256, the fused backward launch) from 2296 to 1368 per
-thread against one 24-bit uniform per hash (sm_90a SASS).
+against a per-program threshold, against ~130 ops for a Philox-4x32-10 draw per element. Two 16-bit uniforms per
+hash, rather than one 24-bit uniform, halve the per-element hashing, the bulk of a masked tile's instructions.
 """
 
 from __future__ import annotations

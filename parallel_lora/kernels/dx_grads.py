@@ -4,11 +4,10 @@
     dA = c * G^T drop_pre(x),  dB = dy^T S        the M reductions of ``adapter_grads`` (same tiles, same splits)
 
 Why one launch: a persistent GEMM of ``T`` output tiles on ``P`` SMs takes ``ceil(T / P)`` tile times, and the
-same number of waves fits on ``ceil(T / ceil(T / P))`` programs. At 8192 x 4096 (1024 tiles of 128 x 256) on
-the H200's 132 SMs that is 128 programs for 8 waves either way, so 4 SMs idle through the whole GEMM, while
-the adapter gradients, bandwidth-bound, ran as a separate launch of ~85 us after it (~10% of the step).
-Here the ``P - ceil(T / ceil(T / P))`` spare programs start on the reductions at once, and the GEMM programs
-join them when their tiles are done.
+same number of waves fits on ``ceil(T / ceil(T / P))`` programs: 1024 tiles of 128 x 256 (8192 x 4096) on
+132 SMs make 8 waves on 128 programs, so 4 SMs would idle through the whole GEMM, while the bandwidth-bound
+adapter gradients would wait for a launch of their own after it. Here the ``P - ceil(T / ceil(T / P))`` spare
+programs start on the reductions at once, and the GEMM programs join them when their tiles are done.
 
 The reductions are a queue of ``(column tile, M split)`` items: a program takes the next one with an atomic
 increment of the queue head and works it exactly as ``adapter_grads`` does (fp32 partial per split, the tile's
@@ -53,10 +52,9 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return max(tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
 
 
-# The longest M chunk of one reduction item. The items left when the GEMM programs finish their tiles run
-# on a busy memory system, ~25 GB/s per SM, so an item's size sets the launch's tail: whole 8192-row columns
-# (2 MB, the split at 4096 -> 14336, where 144 column tiles already fill the device) left ~46 us after the GEMM
-# on an H200; 2048-row chunks (16 row tiles per item) left ~12.
+# The longest M chunk of one reduction item: the items left when the GEMM programs finish their tiles run on a
+# busy memory system, so an item's size sets the launch's tail. 2048 rows against whole 8192-row columns: a tail
+# of ~12 us instead of ~46 (H200, 8192 x 4096 -> 14336, where 144 column tiles fill the device unsplit).
 ITEM_ROWS = 2048
 
 

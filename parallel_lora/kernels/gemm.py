@@ -102,7 +102,8 @@ def _lora_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row-blocks sweep the N tiles together so the w panel stays in L2.
+    # Grouped tile order: GROUP_M row-blocks sweep the N tiles together so the w panel stays in L2. Written out,
+    # not blocks.tile_coords / rank_term (the TMA kernels'): this kernel's rank loop runs over R at run time.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)

@@ -18,12 +18,12 @@ after the K loop; for dx under "pre" dropout it goes first, masked (columns ``n_
 ``1/(1-p)``, and the K loop then accumulates onto it, so the mask touches the LoRA term alone without a
 second accumulator tile.
 
-Why this structure (H200, bf16, kernel time against cuBLAS's): the bare persistent TMA core runs at
-0.95-1.03x; flattening the tile and K loops (``tl.range(flatten=True)``) is as fast without a rank term but
-1.20-1.26x with one in the epilogue read through pointers, and 2-2.4x with one in the prologue; unflattened
-loops with the half-tile store hold the rank term at 0.99-1.06x. With the rank tiles read through TMA
-descriptors instead, the flattened loops win (H100, 8192 x 4096 -> 4096: 4-7 us a GEMM), so ``gemm_tiles``
-takes them wherever the rank tiles can be described (``rank_tma``) and the rank term comes last.
+Why this structure: flattening the tile and K loops (``tl.range(flatten=True)``) keeps a tile's first loads in
+flight while the previous tile's epilogue runs, but only where the rank term's tiles come through TMA descriptors
+too: read through pointers they stall the flattened pipeline (slower than unflattened loops, and slower still with
+the rank term in the prologue), where unflattened loops with the half-tile store carry the rank term at the bare
+GEMM's speed. So ``gemm_tiles`` flattens its loops wherever the rank tiles can be described (``rank_tma``; the rank
+term then comes last), and keeps them apart otherwise.
 
 Descriptors need 16-bit operands, unit inner strides and 16-byte aligned rows (``tma_compatible``); the
 launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
@@ -64,9 +64,8 @@ def gemm_fits(cfg: dict, nargs: dict) -> bool:
 
 
 def tma_configs() -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). 128x256x64 in 3 stages with 8 warps matched cuBLAS (H200,
-    8192 x 4096 -> 4096); a 4th stage of it fits beside the rank tiles only with the output tile stored in
-    quarters, which an H100 timed no faster."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps). 128x256x64, 3 stages, 8 warps: on par with cuBLAS (H200,
+    8192 x 4096 -> 4096); a 4th stage fits beside the rank tiles only with quarter-tile stores, no faster (H100)."""
     rows = [
         (128, 256, 64, 3, 8),
         (256, 128, 64, 3, 8),
@@ -91,8 +90,9 @@ def tma_configs_with(name: str, values: Sequence[int]) -> list[triton.Config]:
 def tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # Per stage one x and one w tile and the 8-byte mbarrier its TMA loads arrive on; half the output tile is
     # staged in shared memory for its TMA store; the rank-r tiles of one chunk go through shared memory on their
-    # way to the tensor cores (without the barriers, the "pre"-dropout dx GEMM compiled 24 B past the estimate
-    # for sm_90a). Rank tiles through TMA (``RANK_TMA``, one chunk) add an mbarrier for each of their two loads.
+    # way to the tensor cores (the barriers counted: the "pre"-dropout dx GEMM compiles 24 B past an estimate
+    # without them, for sm_90a). Rank tiles through TMA (``RANK_TMA``, one chunk) add an mbarrier for each of
+    # their two loads.
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
     rank_barriers = 16 if consts.get("RANK_TMA") else 0
     return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8 + rank_barriers
@@ -205,9 +205,10 @@ def rank_tma(s: torch.Tensor, f: torch.Tensor, lora_drop: bool) -> dict[str, boo
     """The launch constants ``RANK_TMA`` and ``F_T`` of a TMA GEMM's rank term ``s [M, r] @ f [r, N_out]``: whether
     its tiles can come through TMA descriptors (then ``gemm_tiles`` flattens its loops), and whether f is read as
     ``f.t()``'s rows (B [N, r] for y; A [r, K] for dx is read as is). Not under "pre" dropout, whose masked term
-    goes first (a flattened loop with the rank term before the K loop ran at 2x cuBLAS); not for a rank whose rows
-    are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where each chunk's tiles
-    took shared memory of their own (r = 128: 327736 B compiled for sm_90a). Those keep pointer loads."""
+    goes first (a flattened loop with the rank term before the K loop is slow: see the module docstring); not for a
+    rank whose rows are not 16-byte aligned (r = 4 in 16-bit); and not above one ``MAX_BLOCK_R`` chunk, where each
+    chunk's tiles take shared memory of their own (past what a block may use at r = 128 on sm_90a). Those keep
+    pointer loads."""
     describable = not lora_drop and pad_rank(s.shape[1]) <= MAX_BLOCK_R and tma_rows(s)
     if describable and tma_rows(f):
         return {"RANK_TMA": True, "F_T": False}

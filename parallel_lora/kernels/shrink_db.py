@@ -4,8 +4,8 @@
     P[b] = dy[rows b]^T S[rows b]      [blocks, N, r_pad]  fp32, one partial of dB = dy^T S per row block b
 
 Why: the fused backward launch (``dx_grads``) reduces dA (a read of x) and dB (a read of dy) on the dx GEMM's
-spare SMs, and at 8192 x 4096 -> 4096 r16 the two together overflow that spare time by ~21 us, where either one
-alone fits. The G launch before it reads all of dy anyway; here each dy tile it loads also feeds
+spare SMs, and at 8192 x 4096 -> 4096, r16, the two together overflow that spare time, where either one alone
+fits. The G launch before it reads all of dy anyway; here each dy tile it loads also feeds
 ``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``dx_grads.sum_partials``, ~1/8 of
 dy's bytes at r16, ~1/4 at r32) instead of reading dy again.
 
@@ -57,10 +57,9 @@ def shrink_db_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 # The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
 N_ALIGN_GPU = 128
 N_ALIGN_INTERP = 32
-# Where this path is taken (``takes_db_partials``), as measured on the backward at 8192 x 4096 -> 4096: r16 2%
-# faster on an H200 and an H100, r32 2.7% faster and r64 2% slower on an H100 (G's launch then costs twice the
-# plain G's); at 4096 tokens no change, at 2048 1% slower (the dx launch has little tail to remove there), and
-# below 8192 tokens the ~10 us of host time the path adds per backward could show in eager launches.
+# Where this path pays (``takes_db_partials``; the backward at 8192 x 4096 -> 4096, H100 and H200): r16 2% and
+# r32 2.7% faster, r64 2% slower (G's launch costs twice the plain G's); below 8192 tokens the dx launch has little
+# tail to remove, and the host time the path adds per backward could show in eager launches.
 MAX_DB_R_PAD = 32
 MIN_M_GPU = 8192
 # The partials stay allocated with the stream's other workspaces and grow with the tokens: past this size the
@@ -148,7 +147,7 @@ def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
 def db_rows() -> int:
     """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as G's
     ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256: 16 registers a thread at
-    r_pad 16, 32 at r_pad 32; fewer rows and 2 programs an SM measured slower)."""
+    r_pad 16, 32 at r_pad 32; fewer rows at 2 programs an SM were slower)."""
     return 32 if interpreting() else 256
 
 

@@ -4,14 +4,13 @@
     y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (its parts in ``blocks``)
 
 As in ``dx_grads``: a persistent GEMM of ``T`` tiles on ``P`` SMs needs only ``ceil(T / ceil(T / P))`` programs
-for its ``ceil(T / P)`` waves (128 of the H200's 132 at 8192 x 4096 -> 4096), and the separate shrink cost
-~28 us there. Here the spare programs produce S, one GEMM row block (``BLOCK_M`` rows) at a time, in the order
-the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
+for its ``ceil(T / P)`` waves (128 of 132 SMs at 8192 x 4096 -> 4096), and a separate shrink would be a
+launch on every SM before it. Here the spare programs produce S, one GEMM row block (``BLOCK_M`` rows) at a
+time, in the order the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
 
 No "pre" mask here: it hashes every element of x, compute the few spare SMs cannot keep up with, so GEMM tiles
-would wait for S (on an H200 a version with it takes 1000 us against 412 without the mask at
-8192 x 4096 -> 4096, 3295 against 1407 at 14336 -> 4096); that mode keeps the separate masked shrink, on every
-SM, before the GEMM (``dispatch.forward``).
+would wait for S; that mode keeps the separate masked shrink, on every SM, before the GEMM
+(``dispatch.forward``).
 
 Synchronization, per launch epoch ``e`` (read from the stream's sync buffer at the start): a row block's flag
 is *claimed* (``2e + 1``, compare-and-swap) by whichever program first produces it, then *published*

@@ -4,8 +4,8 @@ A launch is tuned per kernel variant (its constexprs), size bucket (the token co
 two) and tensor dtypes. ``prune`` first drops the configs whose estimated shared memory (``KernelSpec.smem``,
 checked to bound what Triton compiles for sm_90a) exceeds the device's opt-in limit, so the same lists also fit
 a ~100 KB GPU, and tiles much larger than the problem; a problem under ``SMALL_WORK`` multiply-adds keeps one
-config. ``tune`` times the rest back to back in CUDA graphs, in interleaved rounds, and keeps the fastest
-(Triton's autotuner, one config after the other, picked a dx launch 7% slower than the best in 3 of 17 H200 runs).
+config. ``tune`` times the rest back to back in CUDA graphs, in interleaved rounds (not one config after the
+other, as Triton's autotuner does: ``fastest`` says why), and keeps the fastest.
 Tuning cannot run inside CUDA-graph capture: run one step eagerly first. The interpreter never tunes (each
 kernel runs its ``KernelSpec.interp`` config).
 """
@@ -86,7 +86,7 @@ TUNE_REPLAY_MS = 5.0
 def fastest(n: int, time_one: Callable[[int], float], rounds: int = TUNE_ROUNDS) -> int:
     """The index (of ``n`` candidates) with the lowest median of ``time_one(i)`` over ``rounds`` rounds; ties go to
     the lower index. Round ``k`` times every candidate once, starting at candidate ``k mod n``: a kernel timed
-    first, on a cooler GPU, or right after a slow one, can read 10-20% fast, and Triton's autotuner times its
+    first, on a cooler GPU, or right after a slow one, can read fast, and Triton's autotuner times its
     configs one after the other, in list order, so the same candidate would always have that place."""
     times: list[list[float]] = [[] for _ in range(n)]
     for k in range(rounds):
@@ -101,10 +101,10 @@ _TUNE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
     """A timer of ``call`` (one launch, already compiled): ms per launch over one replay of a CUDA graph of
-    back-to-back launches. No host time between launches and no cache flush: ``triton.testing.do_bench`` adds a
-    256 MB L2 flush and a Python launch to every call, ~50 us, which swamps the 1-2 us between the configs of an
-    ~20 us kernel. Captured in thread-local mode: another thread's CUDA calls meanwhile (autograd's device
-    threads) are not disturbed."""
+    back-to-back launches. No host time between launches and no cache flush: ``triton.testing.do_bench`` adds an
+    L2 flush and a Python launch to every call, which swamp the differences between the configs of a short
+    kernel. Captured in thread-local mode: another thread's CUDA calls meanwhile (autograd's device threads) are
+    not disturbed."""
     device = torch.cuda.current_device()
     if device not in _TUNE_STREAMS:
         _TUNE_STREAMS[device] = torch.cuda.Stream(device)

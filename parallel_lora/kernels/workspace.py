@@ -57,8 +57,8 @@ def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dt
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side descriptors live in a global workspace that Triton asks for at every launch. Kernels on one
     # stream run one after another and each writes its descriptors before reading them, so one workspace per
-    # stream serves them all: a fresh ``torch.empty`` per launch cost 2-15 us of host time (the most on
-    # autograd's device thread), more than some of these kernels run for.
+    # stream serves them all: a fresh ``torch.empty`` per launch costs more host time (the most on autograd's
+    # device thread) than some of these kernels run for.
     if stream is None:
         return torch.empty(size, device="cuda", dtype=torch.int8)
     # Allocated on the current stream, which is ``stream``: the caching allocator reuses it in order. A
