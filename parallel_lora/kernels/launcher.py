@@ -59,15 +59,12 @@ class KernelSpec:
 class Bound:
     """A kernel bound to one launch signature: its compiled kernel called at a fixed grid, the size and stride
     arguments, and the constexpr tail (the call's constexprs and the tuned config). Under the interpreter,
-    ``run`` calls the kernel through Triton with the one interpreter config, and there is no compiled kernel."""
+    ``run`` calls the kernel through Triton with the one interpreter config (no tail)."""
 
     name: str  # the KernelSpec's name
     run: Callable  # the compiled kernel's runner at this grid
     static: tuple  # the sizes and strides, between the tensors and the runtime scalars
     tail: tuple  # constexpr values, in the kernel's argument order after the runtime scalars
-    compiled: triton.compiler.CompiledKernel | None
-    consts: dict  # the call's constexprs
-    config: triton.Config | None  # the tuned config it was compiled with
 
     def launch(self, tensors: tuple, runtime: tuple) -> None:
         """Launch on new tensors of the bound layout (only their addresses are read) and runtime scalars."""
@@ -143,7 +140,7 @@ def bind(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tu
         def run(*args):
             kernel[grid](*args, **consts, **cfg)
 
-        bound = Bound(spec.name, run, static, (), None, consts, None)
+        bound = Bound(spec.name, run, static, ())
         bound.launch(tensors, runtime)
         return bound
     key = bound_key(spec, kernel, signature, tensors)
@@ -160,12 +157,11 @@ def bind(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tu
     if not isinstance(compiled, triton.compiler.CompiledKernel):
         # A Triton that hands back no compiled kernel: later calls of this Bound go through its own path.
         run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
-        return Bound(spec.name, _with_allocator(run) if descriptors else run, static, (), None, consts, cfg)
+        return Bound(spec.name, _with_allocator(run) if descriptors else run, static, ())
     meta = {**consts, **cfg.kwargs}
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = compiled[g]
-    bound = _BOUND[key] = Bound(spec.name, _with_allocator(run) if descriptors else run, static, tail, compiled,
-                                consts, cfg)  # fmt: skip
+    bound = _BOUND[key] = Bound(spec.name, _with_allocator(run) if descriptors else run, static, tail)
     return bound

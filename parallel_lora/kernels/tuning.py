@@ -211,15 +211,3 @@ def launch_tuned(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
             cfg = _BEST[key] = tune(spec, kernel, grid, args, consts)
         compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
     return compiled, cfg
-
-
-def tuned_summary() -> dict[str, list[str]]:
-    """Every tuned launch's chosen config per key, for benchmark logs."""
-    summary: dict[str, list[str]] = {}
-    for (name, _, _, sizes, dtypes, consts), cfg in _BEST.items():
-        flags = {k: v for k, v in consts if isinstance(v, bool) and v}
-        key = (*sizes, *(str(d) for d in dtypes))
-        summary.setdefault(name, []).append(
-            f"{key} {flags}: {cfg.kwargs} stages={cfg.num_stages} warps={cfg.num_warps}"
-        )
-    return summary
