@@ -30,7 +30,7 @@ from ..backend import interpreting
 from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
-from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg
+from .host import cdiv, dot_options, keep_scale, next_pow2, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -175,7 +175,7 @@ def lora_adapter_grads(
     else:
         ws, count = out_a, out_a  # never touched with one split
     tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
-    runtime = (1.0 / (1.0 - p) if drop_x else 1.0, float(p), seed_arg(seed, feat_a), int(f_offset))
+    runtime = (keep_scale(p, drop_x), float(p), seed_arg(seed, feat_a), int(f_offset))
     launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset,
            info=(split, m_per_split, partials))  # fmt: skip
     return dA, dB

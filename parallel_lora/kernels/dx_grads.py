@@ -30,7 +30,7 @@ from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, reduce_smem, sp
 from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
-from .host import dot_options, pad_rank, seed_arg
+from .host import dot_options, keep_scale, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -216,7 +216,7 @@ def lora_dx_and_grads(
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
-    runtime = (1.0 / (1.0 - p) if lora_drop else 1.0, float(p), seed_arg(seed, dy), int(k_offset))
+    runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
            k_offset, info=(split, m_per_split, partials))  # fmt: skip
     return dx, dA, dB

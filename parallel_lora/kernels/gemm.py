@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .dropout_mask import drop_tile, mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
-from .host import cdiv, dot_options, pad_rank, seed_arg
+from .host import cdiv, dot_options, keep_scale, pad_rank, seed_arg
 from .launcher import KernelSpec, Site, launch
 
 
@@ -198,11 +198,10 @@ def lora_gemm(
     out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
     if M == 0 or N_out == 0:
         return out
-    keep_scale = 1.0 / (1.0 - p) if lora_drop else 1.0
     # Both kernels take (x, w, bias, s, f, out) and these runtime scalars. The TMA kernel may read w through
     # w.t(): the same address, and a launch reads only the tensors' addresses.
     tensors = (x, w, bias if bias is not None else out, s, f, out)
-    runtime = (float(keep_scale), float(p), seed_arg(seed, x), int(n_offset))
+    runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, x), int(n_offset))
     launch(site, tensors, runtime, _describe, x, w, bias, s, f, out, lora_drop, n_offset)
     return out
 

@@ -1,5 +1,5 @@
-"""Host-side arithmetic the launchers share: ceiling division, powers of two, the rank tile, dot options and
-the seed pointer."""
+"""Host-side arithmetic the launchers share: ceiling division, powers of two, the rank tile, dot options, the
+dropout scales and the seed pointer."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def dot_options(dtype: torch.dtype) -> dict[str, object]:
         "UPCAST": interpreting() and dtype != torch.float32,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
+
+
+def keep_scale(p: float, masked: bool) -> float:
+    """``1/(1-p)``, the factor of the elements a mask keeps, where this launch applies the mask (``masked``), else
+    1: the kernels only zero the dropped elements and scale by this once."""
+    return 1.0 / (1.0 - p) if masked else 1.0
+
+
+def shrink_scale(scale: float, p: float, masked: bool) -> float:
+    """The factor ``c`` of ``S = c * drop(...)``: ``scale / (1 - p)`` where this launch applies the mask (``masked``),
+    else ``scale``; ``keep_scale`` folded into ``scale`` once."""
+    return scale / (1.0 - p) if masked else scale
 
 
 def seed_arg(seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:

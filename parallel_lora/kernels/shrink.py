@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .blocks import shrink_rows
 from .dropout_mask import mask_keys
-from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg
+from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg, shrink_scale
 from .launcher import KernelSpec, Site, launch
 
 
@@ -112,12 +112,6 @@ SPEC = KernelSpec(
     dtype_arg="x_ptr",
     interp={"BLOCK_M": 32, "BLOCK_K": 32},
 )
-
-
-def shrink_scale(scale: float, p: float, masked: bool) -> float:
-    """The factor ``c`` of ``S = c * drop(...)``: dropout zeroes the dropped elements and the kept ones are scaled
-    by ``1/(1-p)``, folded here into ``scale`` once (``masked``: a mask is applied by this launch)."""
-    return scale / (1.0 - p) if masked else scale
 
 
 def lora_shrink(
