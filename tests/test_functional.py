@@ -4,7 +4,7 @@ Reference: ``tests/_reference.lora_reference``, the fp64 dense ``y = x W^T + b +
 the same tensors the op receives, each rounded to the dtype of the defined compute (``x``/``W``/``b`` to the
 compute dtype, i.e. bf16 for an autocast-promoted fp32 ``x``; adapters at their own precision), with its
 fp64 autograd gradients; tolerances from ``tests/_reference.TOLERANCES`` (keyed on the compute dtype).
-The dtype rule under test is DESIGN section 2 / ``docs/dtype_policy.md``.
+The dtype rule under test is docs/design.md section 2 / ``docs/dtype_policy.md``.
 
 Both backends run everywhere: "torch" (eager) and "triton" (the Triton CPU interpreter when there is no
 GPU; ``conftest`` sets ``TRITON_INTERPRET=1``). Interpreter sizes are kept small (M, K, N <= 48).
