@@ -31,7 +31,7 @@ from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
 from .host import cdiv, dot_options, keep_scale, next_pow2, pad_rank, seed_arg
-from .launcher import KernelSpec, Site, launch
+from .launcher import KernelSpec, Site, launch, site_info
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 
@@ -124,6 +124,12 @@ def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None
     return cdiv(M, m_per_split), m_per_split
 
 
+def _workspace(M: int, F: int, R: int, device: torch.device) -> tuple[int, int, int]:
+    """``(split, m_per_split, elements of the fp32 partials)`` of ``F`` feature columns' reductions over M."""
+    split, m_per_split = split_rows(M, F, device)
+    return split, m_per_split, split * F * pad_rank(R)
+
+
 def grad_problems(x, g, dy, s_lora) -> tuple:
     """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
     (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
@@ -164,11 +170,8 @@ def lora_adapter_grads(
     dev = feat_a.device
     if M == 0 or F_A + F_B == 0:
         return tuple(None if t is None else t.zero_() for t in (dA, dB))
-    if site is not None and site.bound is not None:
-        split, m_per_split, partials = site.info
-    else:
-        split, m_per_split = split_rows(M, F_A + F_B, dev)
-        partials = split * (F_A + F_B) * pad_rank(R)
+    info = site_info(site, _workspace, M, F_A + F_B, R, dev)
+    split, m_per_split, partials = info
     if split > 1:
         ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False)
         count = stream_buffer(COUNTERS, dev, F_A + F_B, torch.int32, zeroed=True)
@@ -176,8 +179,7 @@ def lora_adapter_grads(
         ws, count = out_a, out_a  # never touched with one split
     tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
     runtime = (keep_scale(p, drop_x), float(p), seed_arg(seed, feat_a), int(f_offset))
-    launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset,
-           info=(split, m_per_split, partials))  # fmt: skip
+    launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset, info=info)
     return dA, dB
 
 

@@ -31,7 +31,7 @@ from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
 from .host import dot_options, keep_scale, pad_rank, seed_arg
-from .launcher import KernelSpec, Site, launch
+from .launcher import KernelSpec, Site, launch, site_info
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 
@@ -168,6 +168,13 @@ SPEC = KernelSpec(
 )
 
 
+def _workspace(M: int, F: int, R: int, device: torch.device) -> tuple[int, int, int]:
+    """``(split, m_per_split, elements of the fp32 partials)`` of the reductions of ``F`` feature columns, their
+    items at most ``ITEM_ROWS`` long."""
+    split, m_per_split = split_rows(M, F, device, max_rows=ITEM_ROWS)
+    return split, m_per_split, split * F * pad_rank(R)
+
+
 def lora_dx_and_grads(
     dy: torch.Tensor,
     w: torch.Tensor,
@@ -208,17 +215,14 @@ def lora_dx_and_grads(
     if sums:
         dB = torch.empty((N, R), device=dev, dtype=dtype)
     pdb = db_partials if sums else out_a
-    if site is not None and site.bound is not None:
-        split, m_per_split, partials = site.info
-    else:
-        split, m_per_split = split_rows(M, F_A + F_B, dev, max_rows=ITEM_ROWS)
-        partials = split * (F_A + F_B) * pad_rank(R)
+    info = site_info(site, _workspace, M, F_A + F_B, R, dev)
+    split, m_per_split, partials = info
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
     runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
-           k_offset, info=(split, m_per_split, partials))  # fmt: skip
+           k_offset, info=info)  # fmt: skip
     return dx, dA, dB
 
 

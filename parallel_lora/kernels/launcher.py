@@ -103,6 +103,14 @@ def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable
         site.info, site.bound = info, bound
 
 
+def site_info(site: Site | None, compute: Callable[..., tuple], *args) -> tuple:
+    """A launcher's layout-derived choices (workspace sizes): ``site.info`` once ``site`` is filled, else
+    ``compute(*args)``, which ``launch`` then keeps in the site (its ``info``)."""
+    if site is not None and site.bound is not None:
+        return site.info
+    return compute(*args)
+
+
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. One entry per exact shape: a new token
 # count costs one launch through Triton's path (its binary is shared by the Ms Triton specializes alike; its
 # config by the bucket). Two threads binding one signature at once store equal entries.

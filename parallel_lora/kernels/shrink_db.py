@@ -27,7 +27,7 @@ from ..backend import interpreting
 from .blocks import finish_tile
 from .dropout_mask import drop_tile, mask_keys
 from .host import cdiv, dot_options, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch
+from .launcher import KernelSpec, Site, launch, site_info
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
 
@@ -168,6 +168,11 @@ def column_splits(M: int, N: int, device: torch.device) -> tuple[int, int]:
     return cdiv(N, n_per_split), n_per_split
 
 
+def _workspace(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
+    """``(splits, n_per_split, blocks)``: the launch's column splits and row blocks (its workspaces' sizes)."""
+    return (*column_splits(M, N, device), db_blocks(M))
+
+
 def lora_shrink_db(
     dy: torch.Tensor,
     lora_B: torch.Tensor,
@@ -189,19 +194,15 @@ def lora_shrink_db(
     r_pad = pad_rank(R)
     dev = dy.device
     g = torch.empty((M, R), device=dev, dtype=dy.dtype)
-    if site is not None and site.bound is not None:
-        splits, n_per_split, blocks = site.info
-    else:
-        splits, n_per_split = column_splits(M, N, dev)
-        blocks = db_blocks(M)
+    info = site_info(site, _workspace, M, N, dev)
+    splits, n_per_split, blocks = info
     pdb = stream_buffer(DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
     pg = stream_buffer(G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
     count = stream_buffer(G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
     runtime = (float(c), float(p), seed_arg(seed, dy))
-    launch(site, tensors, runtime, _describe, dy, lora_B, s_lora, g, splits, n_per_split, blocks, drop_post,
-           info=(splits, n_per_split, blocks))  # fmt: skip
+    launch(site, tensors, runtime, _describe, dy, lora_B, s_lora, g, splits, n_per_split, blocks, drop_post, info=info)
     return g, pdb, blocks
 
 
