@@ -27,6 +27,7 @@ checks the operands and fills one ``launcher.Site`` per launch, and later calls 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -77,8 +78,7 @@ def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tu
             dtype, device, first = t.dtype, t.device, name
         elif t.dtype != dtype:
             raise ValueError(
-                f"all operands must share one dtype (the caller casts): "
-                f"{first} is {dtype}, {name} is {t.dtype}"
+                f"all operands must share one dtype (the caller casts): {first} is {dtype}, {name} is {t.dtype}"
             )
         elif t.device != device:
             raise ValueError(f"all operands must be on one device: {first} on {device}, {name} on {t.device}")
@@ -111,19 +111,22 @@ def _check_scalars(scale, dropout) -> None:
             raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
         if dropout.k_offset < 0:
             raise ValueError(f"dropout.k_offset must be >= 0, got {dropout.k_offset}")
-        seed = dropout.seed
-        if isinstance(seed, torch.Tensor) and (seed.dtype != torch.int64 or seed.numel() != 1):
+
+
+def _seed(dropout: Dropout | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``dropout.seed`` checked (an int, or a 1-element int64 tensor on x's device) and, under an active mask, as the
+    kernels read it: a tensor on x's device (an int is copied there); None without an active mask."""
+    if dropout is None:
+        return None
+    seed = dropout.seed
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
             raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed.dtype} "
                              f"of shape {_shape(seed)}")  # fmt: skip
-        if not isinstance(seed, (torch.Tensor, int)) or isinstance(seed, bool):
-            raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed!r}")
-
-
-def _seed(drop: Dropout | None, x: torch.Tensor) -> torch.Tensor | None:
-    """The active mask's seed as the kernels read it: a tensor on x's device (an int is copied there)."""
-    if drop is None:
+    elif not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed!r}")
+    if _active(dropout) is None:  # p == 0: the seed is never read
         return None
-    seed = drop.seed
     if not isinstance(seed, torch.Tensor):
         return seed_tensor(seed, x.device)
     if seed.device != x.device:
@@ -154,12 +157,28 @@ def mask_key(dropout: Dropout | None) -> tuple | None:
     return drop.position, drop.position == "pre" and drop.k_offset % 2 == 1
 
 
-def forward_key(x, weight, bias, lora_A, lora_B, mask: tuple | None) -> tuple:
+def forward_key(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    mask: tuple | None,
+) -> tuple:
     """The ``_FORWARD_SITES`` key: the devices, every operand's layout and the dropout's ``mask_key``."""
     return _device_key(x), _layout(x), _layout(weight), _layout(bias), _layout(lora_A), _layout(lora_B), mask
 
 
-def backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask: tuple | None, *needs: bool) -> tuple:
+def backward_key(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    s_lora: torch.Tensor,
+    mask: tuple | None,
+    *needs: bool,
+) -> tuple:
     """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
     layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
     return _device_key(dy), *layouts, mask, *needs
@@ -204,6 +223,23 @@ def _drop_kwargs(dropout: Dropout | None, seed: torch.Tensor | None) -> dict:
     return {} if dropout is None else {"p": dropout.p, "seed": seed}
 
 
+def _prologue(
+    scale: float, dropout: Dropout | None, key_of: Callable[..., tuple], operands: tuple, needs: tuple = ()
+) -> tuple[Dropout | None, str | None, int, tuple | None]:
+    """What a call settles before its layout's sites: ``scale`` and ``dropout`` checked (at every call: neither is
+    part of a layout) -> ``(the active mask or None, its position, its "pre" k_offset (else 0), the sites key)``, the
+    key ``key_of(*operands, mask_key, *needs)``, or None where an operand is not a tensor (its checks say which)."""
+    _check_scalars(scale, dropout)
+    drop = _active(dropout)
+    try:
+        key = key_of(*operands, mask_key(drop), *needs)
+    except AttributeError:
+        key = None
+    if drop is None:
+        return None, None, 0, key
+    return drop, drop.position, drop.k_offset if drop.position == "pre" else 0, key
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -215,13 +251,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` (one dtype, any strides)
     -> ``(y [M, N], S [M, r])`` in ``x.dtype``. ``M == 0`` returns empty outputs without a launch."""
-    _check_scalars(scale, dropout)
-    drop = _active(dropout)
-    mode = None if drop is None else drop.position
-    try:
-        key = forward_key(x, weight, bias, lora_A, lora_B, mask_key(drop))
-    except AttributeError:  # not a tensor: the checks say which
-        key = None
+    drop, mode, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
     sites = _FORWARD_SITES.get(key)
     if sites is None:
         M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
@@ -233,8 +263,7 @@ def forward(
         # the layout's: decided once and kept with its sites.
         sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None)
     pre = mode == "pre"
-    k_offset = drop.k_offset if pre else 0
-    drop_kw = _drop_kwargs(drop, _seed(drop, x))
+    drop_kw = _drop_kwargs(drop, _seed(dropout, x))
     w_nk = sites[2]
     if w_nk is not None:
         w = weight if w_nk else weight.t()
@@ -272,15 +301,9 @@ def backward(
     (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
     must be the forward's (same seed): the masks are regenerated, not stored. As in ``forward``, the operands are
     checked at their layout's first call, scale and dropout at every call."""
-    _check_scalars(scale, dropout)
-    drop = _active(dropout)
-    mode = None if drop is None else drop.position
+    operands = (dy, x, weight, lora_A, lora_B, s_lora)
+    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, (needs_dx, needs_dA, needs_dB))
     pre = mode == "pre"
-    k_offset = drop.k_offset if pre else 0
-    try:
-        key = backward_key(dy, x, weight, lora_A, lora_B, s_lora, mask_key(drop), needs_dx, needs_dA, needs_dB)
-    except AttributeError:  # not a tensor: the checks say which
-        key = None
     entry = _BACKWARD_SITES.get(key)
     if entry is None:
         M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
@@ -293,7 +316,7 @@ def backward(
         db_in_g = fused and needs_dB and not pre and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
         entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
     *sites, w_nk, db_in_g = entry
-    drop_kw = _drop_kwargs(drop, _seed(drop, dy))
+    drop_kw = _drop_kwargs(drop, _seed(dropout, dy))
     dx = dA = dB = None
     g, pdb, blocks = None, None, 0
     if db_in_g:
