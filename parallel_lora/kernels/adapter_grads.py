@@ -130,7 +130,12 @@ def _workspace(M: int, F: int, R: int, device: torch.device) -> tuple[int, int, 
     return split, m_per_split, split * F * pad_rank(R)
 
 
-def grad_problems(x, g, dy, s_lora) -> tuple:
+Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (feat, g, out) of one reduction
+
+
+def grad_problems(
+    x: torch.Tensor | None, g: torch.Tensor | None, dy: torch.Tensor | None, s_lora: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Problem, Problem]:
     """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
     (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
     gradient not wanted: ``(dA [r, K] | None, dB [N, r] | None, (feat_a, g_a, out_a), (feat_b, g_b, out_b))``

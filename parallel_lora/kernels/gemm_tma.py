@@ -32,7 +32,7 @@ launcher (``gemm.lora_gemm``) sends everything else to the pointer kernel.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -223,7 +223,17 @@ def tma_compatible(x: torch.Tensor, w: torch.Tensor, out_cols: int) -> bool:
     return tma_rows(x) and tma_rows(w) and (out_cols * x.element_size()) % 16 == 0
 
 
-def describe_tma_gemm(x, w, w_nk, bias, s, f, out, lora_drop: bool, odd_offset: bool) -> tuple:
+def describe_tma_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_nk: bool,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    f: torch.Tensor,
+    out: torch.Tensor,
+    lora_drop: bool,
+    odd_offset: bool,
+) -> tuple[KernelSpec, triton.runtime.jit.JITFunction, tuple, Callable[[], tuple]]:
     """The TMA kernel's launch (``launcher.launch``'s ``describe``) for ``out [M, N_out] = x @ (w.T if w_nk else
     w) (+ bias) + drop(s @ f)``; operands checked by ``tma_compatible`` and the caller (``gemm.lora_gemm``), whose
     pointer arguments and runtime scalars (``keep_scale, p, seed_ptr, n_offset``) it takes."""

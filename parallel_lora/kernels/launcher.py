@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -28,6 +29,9 @@ import triton
 from ..backend import interpreting
 from .tuning import launch_tuned
 from .workspace import ensure_allocator
+
+if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
 
 
 def _no_descriptors(consts: dict) -> bool:
@@ -117,7 +121,7 @@ def site_info(site: Site | None, compute: Callable[..., tuple], *args) -> tuple:
 _BOUND: dict[tuple, Bound] = {}
 
 
-def bound_key(spec: KernelSpec, kernel, signature: tuple, tensors: tuple) -> tuple:
+def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple) -> tuple:
     """The ``_BOUND`` key of a launch on the current device."""
     # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
     return (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
@@ -132,7 +136,9 @@ def _with_allocator(run: Callable) -> Callable:
     return run_with_allocator
 
 
-def bind(spec: KernelSpec, kernel, signature: tuple, tensors: tuple, runtime: tuple, build: Callable) -> Bound:
+def bind(
+    spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple, runtime: tuple, build: Callable[[], tuple]
+) -> Bound:
     """Launch ``kernel`` for ``signature`` and return the ``Bound`` that launches it again.
 
     ``signature`` is the launcher's cheap summary of everything but addresses and runtime scalars (sizes,

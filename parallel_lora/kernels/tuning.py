@@ -24,7 +24,12 @@ import triton
 from .host import next_pow2
 
 if TYPE_CHECKING:
+    from triton.runtime.jit import JITFunction
+
     from .launcher import KernelSpec
+
+# A launch grid, as Triton takes it: a tuple, or a function of the config's meta-parameters.
+Grid = Callable[[dict], tuple[int, ...]] | tuple[int, ...]
 
 
 @functools.cache
@@ -53,7 +58,9 @@ SMALL_WORK = 2**27
 ATOMIC_SLOT = 128
 
 
-def prune(spec: KernelSpec, configs, nargs: dict, smem_limit: int | None = None, **consts):
+def prune(
+    spec: KernelSpec, configs: list[triton.Config], nargs: dict, smem_limit: int | None = None, **consts
+) -> list[triton.Config]:
     """Keep the configs within the device's shared memory and the problem's size.
 
     Never returns an empty list: if nothing fits, the config with the smallest estimate is kept.
@@ -139,7 +146,7 @@ def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
     return time_one
 
 
-def tune(spec: KernelSpec, kernel, grid, args: tuple, consts: dict) -> triton.Config:
+def tune(spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict) -> triton.Config:
     """The fastest of the configs ``prune`` keeps for this launch, each compiled and timed by ``replay_timer`` in
     interleaved rounds (``fastest``). A config the compiler refuses (resources the estimate missed) is
     skipped. Runs the kernel many times on ``args``: the launches write its outputs, never accumulate."""
@@ -178,11 +185,11 @@ _TUNING_LOCK = threading.Lock()
 
 
 @functools.cache
-def _key_positions(spec: KernelSpec, kernel) -> tuple[int, ...]:
+def _key_positions(spec: KernelSpec, kernel: JITFunction) -> tuple[int, ...]:
     return tuple(kernel.arg_names.index(k) for k in spec.key)
 
 
-def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
+def bucketed_sizes(spec: KernelSpec, kernel: JITFunction, args: tuple) -> tuple[int, ...]:
     """The key sizes of a launch with the token count ``M`` (always first) rounded up to a power of two:
     variable-length batches would otherwise retune at every new length (a compile and a timing of every
     candidate config, seconds each). The other sizes are a layer's own and stay exact."""
@@ -190,7 +197,7 @@ def bucketed_sizes(spec: KernelSpec, kernel, args: tuple) -> tuple[int, ...]:
     return (next_pow2(m), *rest)
 
 
-def best_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
+def best_key(spec: KernelSpec, kernel: JITFunction, args: tuple, consts: dict) -> tuple:
     """The ``_BEST`` key of a launch: its kernel and constexprs (each variant tunes its own config: one compiled
     with the "pre" mask has other registers and shared memory than the plain one), device, size bucket and
     tensor dtypes."""
@@ -199,7 +206,9 @@ def best_key(spec: KernelSpec, kernel, args: tuple, consts: dict) -> tuple:
             tuple(t.dtype for t in tensors), tuple(consts.items()))  # fmt: skip
 
 
-def launch_tuned(spec: KernelSpec, kernel, grid, args: tuple, consts: dict):
+def launch_tuned(
+    spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict
+) -> tuple[triton.compiler.CompiledKernel, triton.Config]:
     """Launch through Triton's own path with the config tuned for this size bucket (``tune`` at the bucket's
     first launch); returns ``(compiled kernel, config)``."""
     key = best_key(spec, kernel, args, consts)
