@@ -11,20 +11,19 @@ import torch
 from _kernels import DEVICE
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout, keep_mask
-from parallel_lora.dropout import hash_uniform as torch_hash_uniform
-from parallel_lora.kernels.dropout_mask import hash_uniform as triton_hash_uniform
+from parallel_lora.dropout import Dropout, hash_uniform, keep_mask
+from parallel_lora.kernels.dropout_mask import kernel_uniforms
 
 SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("rows, cols, offset", [(45, 67, 1000), (33, 5, 0), (1, 97, 2**31 - 50)])
-def test_dropout_mask_hash_uniform_is_bit_exact_with_torch(seed, rows, cols, offset):
-    u = triton_hash_uniform(seed, rows, cols, offset, DEVICE)
+def test_dropout_mask_kernel_uniforms_are_bit_exact_with_torch(seed, rows, cols, offset):
+    u = kernel_uniforms(seed, rows, cols, offset, DEVICE)
     m = torch.arange(rows, device=DEVICE).unsqueeze(1)
     k = torch.arange(offset, offset + cols, device=DEVICE).unsqueeze(0)
-    ref = torch_hash_uniform(seed, m, k)
+    ref = hash_uniform(seed, m, k)
     assert ref.shape == (rows, cols) and ref.dtype == torch.float32
     assert torch.equal(u, ref)
     assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**16, (u * 2**16).floor())
@@ -46,14 +45,14 @@ def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
     # uniform u (a multiple of 2**-16) that element is kept, in either half of its word, and at p half a step
     # above it (exact in fp32 below 0.5) it is dropped; at the largest p (1 - 2**-16) the shifted threshold must
     # not overflow (only v = 2**16 - 1 is kept). Odd widths and offsets pair columns across tiles and words.
-    u = triton_hash_uniform(5, 64, 64, 0, DEVICE)
+    u = kernel_uniforms(5, 64, 64, 0, DEVICE)
     low = u[:, 0::2]
     high = u[:, 1::2]
     picks = [*low[low < 0.5][:2].tolist(), *high[high < 0.5][:2].tolist()]
     for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16, 0.0):
         for cols, offset in ((64, 0), (37, 5)):
             mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
-            want = triton_hash_uniform(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
+            want = kernel_uniforms(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
             assert torch.equal(mask, want), (p, offset)
             if p == picks[0]:
                 assert want.any() and not want.all()

@@ -167,7 +167,9 @@ def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.devi
     return _draw(dropout.seed, dropout.p, rows, cols, offset, device, uniform=False).view(torch.bool)
 
 
-def hash_uniform(seed, rows: int, cols: int, col_offset: int, device) -> torch.Tensor:
+def kernel_uniforms(
+    seed: int | torch.Tensor, rows: int, cols: int, col_offset: int, device: torch.device | str
+) -> torch.Tensor:
     """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]``, for ``seed`` (an int, or a ``[1]``
     int64 tensor on ``device``), to check the eager ``parallel_lora.dropout.hash_uniform`` bit for bit."""
     return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)
