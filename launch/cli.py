@@ -231,7 +231,7 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
     latest = latest_checkpoint(out / "checkpoints") if args.resume else None
     if latest is None:
         return None
-    saved = json.loads((latest / "meta.json").read_text()).get("extra", {})
+    saved = saved_run(latest)
     if "preset" in saved and (saved.get("model") is None) != (args.model is None):
         then, now = _trained(saved.get("model"), saved["preset"]), _trained(args.model, args.preset)
         return (f"--resume: {latest} was saved by a run on {then}, and its adapters do not fit a run on {now}. Resume "
@@ -243,6 +243,11 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
         return (f"--resume: {latest} was saved with {then}, and its adapters do not fit a run with {now}. Resume "
                 "with the checkpoint's values, or start a new run (--overwrite, or another --output-dir)")
     return None
+
+
+def saved_run(checkpoint: Path) -> dict:
+    """The flags a launcher checkpoint was saved with (``RUN_KEYS``, and ``tp``), from its ``meta.json``."""
+    return json.loads((checkpoint / "meta.json").read_text()).get("extra", {})
 
 
 def _trained(model: str | None, preset: str | None) -> str:

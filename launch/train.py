@@ -41,7 +41,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
-from cli import RUN_KEYS, RUN_OUTPUTS, parse_args  # noqa: E402
+from cli import RUN_KEYS, RUN_OUTPUTS, parse_args, saved_run  # noqa: E402
 from data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
 from model import Transformer, config_for  # noqa: E402
 
@@ -59,6 +59,25 @@ from parallel_lora import (  # noqa: E402
 from parallel_lora.hf import from_pretrained  # noqa: E402  (transformers is imported when a model is built)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Data-parallel replicas' generator seeds lie this far apart (odd, the 64-bit golden ratio: no two replicas meet).
+REPLICA_STRIDE = 0x9E3779B97F4A7C15
+
+
+def replica_seed(seed: int, dp_rank: int) -> int:
+    """The generator seed of data-parallel replica ``dp_rank`` after the model is built: the TP ranks of a replica
+    share it (their dropout masks must agree) and replicas differ (their masks must not agree), whatever offsets the
+    layers add (single-device ``LoRALinear``s, at tp = 1, add none)."""
+    return (seed + dp_rank * REPLICA_STRIDE) % 2**64
+
+
+def rng_source(saved: dict, rank: int, dp_rank: int) -> int | None:
+    """The rank whose RNG states this rank restores on ``--resume`` from a checkpoint of the run ``saved`` (its
+    ``extra``): the first rank of the same replica in the saving run's ``(dp, tp)`` layout, whose TP ranks all saved
+    one state; ``None`` for a replica the saving run did not have, which is seeded afresh. A checkpoint without its
+    layout gives each rank its own."""
+    if "tp" not in saved or "dp" not in saved:
+        return rank
+    return dp_rank * saved["tp"] if dp_rank < saved["dp"] else None
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -131,7 +150,6 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
         faults.refuse(f"--model: {e}")
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch.manual_seed(args.seed)  # the dropout seeds follow this generator: the same on every rank of a TP group
     text = model.config.get_text_config()
     about = (f"model {args.model} ({type(model).__name__}): {text.num_hidden_layers} layers, hidden "
              f"{text.hidden_size}, {text.num_attention_heads} heads / {text.num_key_value_heads} kv heads, bf16 base, "
@@ -235,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         model, data, about = toy_model(args, tp_mesh, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    torch.manual_seed(replica_seed(args.seed, dp_rank))  # the dropout seeds are drawn from this generator
 
     # -- resume, start fresh, or replace the earlier run (cli.py refused anything else) ----------------------
     faults.at("checkpoint load")
@@ -242,12 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     start_step = 0
     latest = latest_checkpoint(ckpt_root) if args.resume else None
     if latest is not None:
+        source = rng_source(saved_run(latest), rank, dp_rank)
         try:
-            meta = load_checkpoint(latest, model, optimizer)
+            meta = load_checkpoint(latest, model, optimizer, rng_from=source)
         except ValueError as e:  # the checkpoint's adapters do not fit this model
             faults.refuse(f"--resume: {e}")
         start_step = faults.RUN.step = meta["step"]
-        changed = {k: (v, run_info[k]) for k, v in meta.get("extra", {}).items() if run_info.get(k) != v}
+        if source is None:  # a replica the saving run did not have: a state of its own, alike on its TP ranks
+            torch.manual_seed(replica_seed(args.seed + start_step, dp_rank))
+        saved = meta.get("extra", {})
+        changed = {k: (saved[k], v) for k, v in run_info.items() if k in saved and saved[k] != v}
         if rank == 0 and changed:
             print(f"warning: resuming with changed {changed} (checkpoint, now): losses will differ from the "
                   "uninterrupted run")
@@ -326,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
             bar.update()
             if step % args.save_every == 0 or step == args.steps:
                 faults.at("checkpoint save", step)
-                save_checkpoint(ckpt_root, model, optimizer, step, extra=run_info)
+                save_checkpoint(ckpt_root, model, optimizer, step, extra={**run_info, "tp": tp})
 
     # -- teardown: the adapter (PEFT format), the loss curve ---------------------------------------------------
     faults.at("adapter save")

@@ -359,13 +359,16 @@ def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) 
         )
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *, rng_from: int | None = None
+) -> dict[str, Any]:
     """Restore a ``save_checkpoint`` directory (resharding to the current TP layout); returns its metadata
     ``{"step": ..., "extra": ...}``.
 
-    RNG states: each rank restores the ones it saved; a rank the saving run did not have (a resume on more ranks)
-    restores rank 0's. That keeps the TP ranks' generators in one state, which their dropout masks need, where the
-    saving run seeded its ranks alike (as the launcher seeds the TP ranks of a replica).
+    RNG states: this rank restores those rank ``rng_from`` saved, by default its own; a rank the saving run did not
+    have (a resume on more ranks) restores rank 0's. That keeps the TP ranks' generators in one state, which their
+    dropout masks need, where the saving run seeded its TP ranks alike. Where the layout of data-parallel replicas
+    changes, pick ``rng_from`` per rank (``launch/train.py`` takes the first rank of the same replica).
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
     ``RuntimeError`` saying so). A checkpoint whose adapter shapes or names differ from the model's raises
@@ -390,7 +393,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
-    rng_file = path / f"rng_rank{_rank()}.pt"
+    rng_file = path / f"rng_rank{_rank() if rng_from is None else rng_from}.pt"
     if not rng_file.is_file():
         rng_file = path / "rng_rank0.pt"
     if rng_file.is_file():

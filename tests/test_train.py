@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "launch"))
 
 from data import CORPUS_PATH, Corpus, generate_corpus  # noqa: E402
 from model import Transformer, check_tp, config_for  # noqa: E402
-from train import TARGET_MODULES  # noqa: E402
+from train import TARGET_MODULES, replica_seed, rng_source  # noqa: E402
 
 STEPS = 8
 # Dropout on, so resume must also restore each rank's RNG state (the masks' seeds are drawn from it).
@@ -147,6 +147,19 @@ def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_pa
     assert losses(out) == losses(run_a)
 
 
+def test_resume_at_a_larger_tp_draws_the_uninterrupted_runs_masks(run_a, tmp_path):
+    # Saved at tp=2, resumed at tp=4: ranks 2 and 3 saved no RNG state, and must draw the masks ranks 0 and 1 draw.
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    resumed = torchrun(out, *COMMON, "--resume", nproc=4)
+    check_ok(resumed)
+    assert "resuming from" in resumed.stdout and "at step 6" in resumed.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
+    # The same masks, sums over 4 shards instead of 2: fp32 rounding apart (another mask moves the loss far more).
+    torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
+
+
 def test_activation_checkpointing_gives_the_same_losses(run_a, tmp_path):
     out = tmp_path / "run_ac"
     check_ok(torchrun(out, *COMMON, "--activation-checkpointing"))
@@ -187,6 +200,31 @@ def test_batches_depend_only_on_seed_step_and_micro_step():
     halves = [corpus.batch(**kw, batch_size=2, dp_rank=d, dp=2)[0] for d in range(2)]
     assert torch.equal(torch.cat(halves), x)  # dp ranks split one global batch
     assert not torch.equal(corpus.batch(**{**kw, "step": 6}, batch_size=4)[0], x)
+
+
+def test_replica_seed_gives_replicas_their_own_masks_and_tp_ranks_of_one_replica_the_same():
+    # A single-device LoRALinear (what --model keeps at tp = 1) adds no offset of its own to its dropout seeds.
+    layer = pl.LoRALinear(16, 8, pl.LoRAConfig(r=2, dropout=0.5, target_modules="all-linear")).train()
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(4, 16)
+
+    def output(dp_rank: int) -> torch.Tensor:
+        torch.manual_seed(replica_seed(0, dp_rank))
+        return layer(x).detach()
+
+    assert torch.equal(output(0), output(0)) and torch.equal(output(1), output(1))
+    assert not torch.equal(output(0), output(1))
+
+
+@pytest.mark.parametrize(("saved", "rank", "dp_rank", "source"), [
+    ({"dp": 1, "tp": 2}, 3, 0, 0),  # tp 2 -> 4: every rank of the one replica takes its first rank's state
+    ({"dp": 2, "tp": 2}, 5, 1, 2),  # (2, 2) -> (2, 4): replica 1's ranks take saved rank 2's, not rank 5's
+    ({"dp": 1, "tp": 2}, 2, 1, None),  # dp 1 -> 2: replica 1 did not exist, it is seeded afresh
+    ({"dp": 1}, 3, 0, 3),  # a checkpoint without its tp: each rank its own
+])
+def test_rng_source_maps_each_rank_to_its_replica_in_the_saved_layout(saved, rank, dp_rank, source):
+    assert rng_source(saved, rank, dp_rank) == source
 
 
 def test_shipped_corpus_is_the_generator_output():
