@@ -264,7 +264,7 @@ class _Block(nn.Module):
 def _save_dropout_seeds():
     """Selective activation checkpointing that saves the dropout seeds and recomputes the rest (torchtitan has op-level
     policies). On the CPU, torch 2.13's AOTAutograd cannot recompute a random op next to DTensor gradients
-    (tests/test_parallel.py pins it); on CUDA plain checkpointing replays the seed draw."""
+    (tests/test_tp_dropout.py pins it); on CUDA plain checkpointing replays the seed draw."""
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is torch.ops.parallel_lora.dropout_seed.default:
