@@ -56,6 +56,7 @@ from parallel_lora import (  # noqa: E402
     save_adapter,
     save_checkpoint,
 )
+from parallel_lora.files import replace_file  # noqa: E402
 from parallel_lora.hf import from_pretrained  # noqa: E402  (transformers is imported when a model is built)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -201,6 +202,12 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Keep the lines of ``metrics.jsonl`` up to ``step`` (the resumed one), so it holds one line per step."""
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    replace_file(path, "".join(json.dumps(r) + "\n" for r in kept).encode())  # a crash keeps the old history
+
+
 def plot_loss(rows: list[dict], png: Path, title: str, unit: str) -> bool:
     """Draw the training (and eval) loss curves to ``png``; without matplotlib (the ``[train]`` extra), warn and
     draw nothing."""
@@ -284,9 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume:
             print(f"resuming from {latest} at step {start_step}" if latest else
                   f"resume: no checkpoint in {ckpt_root}, starting at step 0")
-        # Keep the history up to the resumed step only, so metrics.jsonl has one line per step.
-        kept = [r for r in read_metrics(metrics_path) if r["step"] <= start_step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        keep_metrics_until(metrics_path, start_step)
         print(f"mesh dp={dp} x tp={tp} on {device.type}, sequence_parallel={args.sequence_parallel}, "
               f"autocast={args.autocast}; {about}; batch {args.batch_size}x{args.seq_len} x accum {args.grad_accum} "
               f"x dp {dp}", flush=True)

@@ -1,4 +1,4 @@
-"""Replacing a directory as a whole: readers and crashes see the old contents or the new, never a mix."""
+"""Replacing a file or a directory as a whole: readers and crashes see the old contents or the new, never a mix."""
 
 from __future__ import annotations
 
@@ -19,6 +19,27 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_file(path: str | os.PathLike, data: bytes) -> None:
+    """Make ``path`` a file holding ``data``, replacing what was there in one step: ``data`` is written and fsynced
+    to a temporary file beside it, which ``os.replace`` renames over ``path``. Any failure before the rename
+    leaves ``path`` untouched (and no temporary file)."""
+    out = Path(path)
+    tmp = out.parent / f".{out.name}.new-{secrets.token_hex(4)}"
+    try:
+        _write_synced(tmp, data)
+        os.replace(tmp, out)
+        _fsync_path(out.parent)  # the rename itself survives a power loss
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -53,10 +74,7 @@ def replace_directory(path: str | os.PathLike, files: dict[str, bytes], keep: It
     new.mkdir()
     try:
         for name, data in files.items():
-            with open(new / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_synced(new / name, data)
         for name in keep:
             if name not in files and (out / name).is_file():
                 shutil.copy2(out / name, new / name)

@@ -8,6 +8,8 @@ changes the order of a sum (sequence parallelism, data parallelism).
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import os
 import shutil
@@ -27,7 +29,7 @@ sys.path.insert(0, str(REPO / "launch"))
 
 from data import CORPUS_PATH, Corpus, generate_corpus  # noqa: E402
 from model import Transformer, check_tp, config_for  # noqa: E402
-from train import TARGET_MODULES, replica_seed, rng_source  # noqa: E402
+from train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source  # noqa: E402
 
 STEPS = 8
 # Dropout on, so resume must also restore each rank's RNG state (the masks' seeds are drawn from it).
@@ -225,6 +227,34 @@ def test_replica_seed_gives_replicas_their_own_masks_and_tp_ranks_of_one_replica
 ])
 def test_rng_source_maps_each_rank_to_its_replica_in_the_saved_layout(saved, rank, dp_rank, source):
     assert rng_source(saved, rank, dp_rank) == source
+
+
+def test_keep_metrics_until_leaves_the_old_file_whole_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    before = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3))
+    path.write_text(before)
+    real_open = io.open
+
+    class Full(io.FileIO):
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        # The file is opened (and truncated) for real, then its first write fails: a crash mid-write.
+        if "w" in mode:
+            real_open(file, mode, *args, **kwargs).close()
+            return Full(file, "w")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", failing_open)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(OSError, match="No space left"):
+        keep_metrics_until(path, 2)
+    monkeypatch.undo()
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left behind
+    keep_metrics_until(path, 2)
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
 
 
 def test_shipped_corpus_is_the_generator_output():
