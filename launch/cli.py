@@ -37,7 +37,7 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-class _Parser(argparse.ArgumentParser):
+class RankZeroParser(argparse.ArgumentParser):
     """``argparse`` that prints (help, errors) on rank 0 only, an error as one line."""
 
     def _print_message(self, message: str, file=None) -> None:
@@ -53,7 +53,7 @@ def _flag(key: str) -> str:
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = RankZeroParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help=f"size of the built-in toy model (launch/model.py; default {DEFAULT_PRESET})")
     p.add_argument("--model", default=None, metavar="DIR",

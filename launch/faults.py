@@ -5,9 +5,10 @@
   30-minute default).
 - ``at(phase, step)``: what this rank is doing, so that a collective that fails or times out (another rank died,
   hangs, or was stopped) ends this rank with one line naming it and how to resume.
-- ``run_main``: runs the launcher's ``main`` and turns Ctrl-C, collective failures and argument errors into one
-  message each and an exit code (0 done, 1 failure, 2 bad arguments, 130 interrupted), leaving through
-  ``os._exit`` (see ``launch/train.py``'s last comment).
+- ``run_main``: runs a launch script's ``main`` (``train.py``, ``generate.py``) and turns Ctrl-C, collective
+  failures and argument errors into one message each and an exit code (0 done, 1 failure, 2 bad arguments, 130
+  interrupted), leaving through ``os._exit`` (see ``launch/train.py``'s last comment). The resume hint is for a run
+  that writes checkpoints.
 """
 
 from __future__ import annotations
@@ -75,12 +76,15 @@ def init_distributed(device_type: str, dp: int, tp: int, timeout_s: float, check
 def refuse(message: str) -> None:
     """An error in the arguments found after start-up (every rank finds it): print it once, exit with code 2."""
     if is_rank0():
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
-def _resume_hint() -> str:
-    latest = latest_checkpoint(RUN.checkpoints) if RUN.checkpoints is not None else None
+def _resume_hint() -> str | None:
+    """The last checkpoint, for a run that writes checkpoints (``None`` for one that does not: nothing to resume)."""
+    if RUN.checkpoints is None:
+        return None
+    latest = latest_checkpoint(RUN.checkpoints)
     return f"last checkpoint: {latest}" if latest else "no checkpoint yet: --resume starts over"
 
 
@@ -103,13 +107,15 @@ def _report(exc: BaseException) -> int:
     """Print one line for ``exc`` (a traceback for a bug), return the exit code."""
     if RUN.interrupted or isinstance(exc, KeyboardInterrupt):
         # Every rank was interrupted; what a rank's peers did meanwhile (closing connections) is no news.
+        hint = _resume_hint()
         if is_rank0():
-            print(f"interrupted at step {RUN.step}; resume with --resume ({_resume_hint()})", file=sys.stderr)
+            print(f"interrupted at step {RUN.step}; resume with --resume ({hint})" if hint else "interrupted",
+                  file=sys.stderr)
         return 130
     if is_collective_failure(exc):
-        rank = os.environ.get("RANK", "0")
-        print(f"[rank {rank}] the {RUN.phase} failed: {_cause(exc)}. Resume with --resume ({_resume_hint()})",
-              file=sys.stderr)
+        rank, hint = os.environ.get("RANK", "0"), _resume_hint()
+        print(f"[rank {rank}] the {RUN.phase} failed: {_cause(exc)}" + (f". Resume with --resume ({hint})" if hint
+              else ""), file=sys.stderr)
         return 1
     traceback.print_exception(exc)
     return 1

@@ -3,35 +3,44 @@
     python launch/generate.py --model DIR --adapter runs/train/adapter --prompt "The old fox" --compare
     torchrun --nproc-per-node 2 launch/generate.py --model DIR --adapter ... --prompt ...   # tensor-parallel
 
-The base is loaded by ``parallel_lora.hf.from_pretrained`` (under torchrun, each rank reads only its shards and
-the model splits by its own TP plan), the adapter by ``load_adapter`` (a file ``save_adapter`` or PEFT wrote);
-``--compare`` also prints the base model's completion, with the adapter disabled, so you see what training changed.
+The adapter's configs come from its own files (``peft_format.adapter_configs``: per-module ranks and alphas
+included), the base is loaded by ``parallel_lora.hf.from_pretrained`` (under torchrun, each rank reads only its
+shards and the model splits by its own TP plan), the adapter by ``load_adapter`` (a file ``save_adapter`` or PEFT
+wrote); ``--compare`` also prints the base model's completion, with the adapter disabled, so you see what training
+changed. The flags, the checkpoint and the adapter are checked before anything starts (one message, from rank 0,
+exit code 2); a collective that fails or waits past ``--timeout`` ends the job with one line per rank
+(``faults.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from data import load_tokenizer  # noqa: E402  (launch/ is sys.path[0] when this file runs)
+import faults  # noqa: E402  (launch/ is sys.path[0] when this file runs)
+from cli import RankZeroParser  # noqa: E402
+from data import load_tokenizer  # noqa: E402
 
 from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
-from parallel_lora.checkpoint import ADAPTER_CONFIG  # noqa: E402
 from parallel_lora.hf import check_checkpoint, from_pretrained  # noqa: E402
+from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[LoRAConfig]]:
+    """The checked arguments and the adapter's ``LoRAConfig``s. Exits with code 2, one message from rank 0, on a bad
+    flag, a checkpoint that cannot load at this TP size (``check_checkpoint``) or an adapter it cannot rebuild."""
+    p = RankZeroParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config, safetensors, tokenizer)")
     p.add_argument("--adapter", required=True,
                    help="adapter directory (adapter_model.safetensors + adapter_config.json)")
@@ -40,26 +49,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", action="store_true", help="also print the base model's completion")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="base weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait for the other ranks before the job stops (default 300)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    return args
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a finite number > 0 (seconds), got {args.timeout}")
+    try:
+        check_checkpoint(args.model, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        p.error(f"--model: {e}")
+    adapter = Path(args.adapter)
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        p.error(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory train.py writes is "
+                "<output-dir>/adapter)")
+    try:
+        configs = adapter_configs(adapter, lora_dtype=torch.float32)
+    except ValueError as e:
+        p.error(f"--adapter: {e}")
+    return args, configs
 
 
-def adapter_lora_config(adapter: Path) -> LoRAConfig:
-    """The ``LoRAConfig`` an adapter directory was trained with: its rank, alpha and target module names."""
-    path = adapter / ADAPTER_CONFIG
-    if not path.is_file():
-        raise SystemExit(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory train.py writes is "
-                         "<output-dir>/adapter)")
-    file_config = json.loads(path.read_text())
-    return LoRAConfig(r=file_config["r"], alpha=file_config["lora_alpha"],
-                      use_rslora=file_config.get("use_rslora", False),
-                      target_modules=tuple(file_config["target_modules"]), lora_dtype=torch.float32)
-
-
-def complete(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, device: torch.device) -> str:
-    """The greedy continuation of ``prompt`` (the new tokens only, decoded without special tokens)."""
+def complete(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
+    """The greedy continuation of ``prompt`` by ``model`` with the Hugging Face ``tokenizer`` (the new tokens only,
+    decoded without special tokens)."""
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
@@ -69,45 +83,41 @@ def complete(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    args, configs = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    mesh = None
-    if distributed:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("tp",))
-    tp = mesh.size() if mesh is not None else 1
+    # Under torchrun: a (dp=1, tp=world) mesh whose groups wait at most --timeout (init_device_mesh's wait 30 min).
+    mesh = faults.init_distributed(device.type, 1, world, args.timeout, None) if world > 1 else None
     try:
-        check_checkpoint(args.model, tp)  # seconds, before anything heavy
         tokenizer = load_tokenizer(args.model)
     except ValueError as e:
-        raise SystemExit(f"--model: {e}") from e
+        faults.refuse(f"--model: {e}")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = from_pretrained(args.model, adapter_lora_config(Path(args.adapter)), mesh=mesh, dtype=dtype, device=device)
-    load_adapter(model, args.adapter)
+    faults.at("model load")
+    model = from_pretrained(args.model, configs, mesh=mesh, dtype=dtype, device=device)
+    try:
+        load_adapter(model, args.adapter)
+    except ValueError as e:
+        faults.refuse(f"--adapter: {e}")
 
-    completion = complete(model, tokenizer, args.prompt, args.max_new_tokens, device)
-    rows = [("adapter", completion)]
+    faults.at("generation")
+    rows = [("adapter", complete(model, tokenizer, args.prompt, args.max_new_tokens, device))]
     if args.compare:
         with disable_adapter(model):
             rows.append(("base", complete(model, tokenizer, args.prompt, args.max_new_tokens, device)))
-    if not distributed or dist.get_rank() == 0:
+    if mesh is None or dist.get_rank() == 0:
         print(f"prompt:  {args.prompt}")
         for name, text in rows:
             print(f"{name + ':':<8} {text}")
-    if distributed:
+    if mesh is not None:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
-    # As in train.py: leave without interpreter finalization, which can abort gloo's worker threads after a
-    # complete run (pytorch/pytorch#179291). Everything is printed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # run_main leaves through os._exit, as train.py does: interpreter finalization can abort gloo's worker threads
+    # after a complete run (pytorch/pytorch#179291). Everything is printed by then.
+    faults.run_main(main)

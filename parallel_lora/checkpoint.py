@@ -41,17 +41,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .files import replace_directory
 from .layers import lora_modules
 from .peft_format import (
-    check_plain_lora,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_files,
     check_saved_with,
     peft_config,
     peft_key,
     peft_rank_alpha,
+    read_adapter_config,
     read_record,
     serialize,
 )
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 _FACTORS = ("lora_A", "lora_B")
 
 
@@ -199,18 +200,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
             f"load_adapter: the model's adapters are merged into its weights ({merged[:4]}); loading would leave "
             "the merged update in effect. unmerge_lora() first, then load (and merge_lora() again if wanted)"
         )
-    folder = Path(path)
-    weights_path, config_path = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
-    for p in (weights_path, config_path):
-        if not p.is_file():
-            # Where the directory swap is two renames, a crash between them leaves the previous one beside it.
-            left = sorted(folder.parent.glob(f".{folder.name}.old-*")) if not folder.exists() else []
-            note = f" (an interrupted save_adapter left the previous adapter at {left[-1]})" if left else ""
-            raise ValueError(f"load_adapter: {p} does not exist{note}")
-    try:
-        file_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"load_adapter: {config_path} is not valid JSON ({e})") from e
+    weights_path, config_path = adapter_files(path, "load_adapter")
+    file_config = read_adapter_config(config_path, "load_adapter")
     blob = weights_path.read_bytes()
     try:
         tensors = load(blob)
@@ -219,9 +210,6 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
     saved_with = read_record(header.get("__metadata__") or {}, blob, weights_path)
 
-    if file_config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"load_adapter: {config_path} has peft_type={file_config.get('peft_type')!r}, expected 'LORA'")
-    check_plain_lora(file_config, config_path)
     for name, m in modules:
         r, alpha, source = peft_rank_alpha(file_config, name)
         if r != m.config.r or alpha is None or float(alpha) != float(m.config.alpha):

@@ -16,6 +16,7 @@ the meta device, adapts, parallelizes, materializes and reads each rank's shards
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,7 @@ def _default_device(mesh: DeviceMesh | None) -> torch.device:
 
 def from_pretrained(
     path: str | Path,
-    lora_config: LoRAConfig,
+    lora_config: LoRAConfig | Sequence[LoRAConfig],
     *,
     mesh: DeviceMesh | None = None,
     dtype: torch.dtype = torch.bfloat16,
@@ -258,7 +259,9 @@ def from_pretrained(
 
     ``mesh``: the tensor-parallel mesh (1-D, or a mesh with a ``"tp"`` dim, e.g. a ``(dp, tp)`` one), or ``None``
     for one device; at one rank the layers stay single-device ``LoRALinear``s. The base is ``dtype`` (bf16 by
-    default) and frozen; the adapters are ``lora_config``'s (``lora_dtype=torch.float32`` for fp32 masters), A drawn
+    default) and frozen; the adapters are ``lora_config``'s (``lora_dtype=torch.float32`` for fp32 masters; a list
+    of configs is applied in turn, as ``apply_lora`` called once per config, e.g. ``peft_format.adapter_configs``'
+    for a saved adapter of several ranks), A drawn
     from its global shape by a generator seeded with ``seed`` (the same at every TP size and on every data-parallel
     replica), B zeros. Each rank reads only its own shards of the weights (``model.load_report``: the bytes it
     read). Returns the model in eval mode.
@@ -273,7 +276,8 @@ def from_pretrained(
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    apply_lora(model, lora_config, verbose=verbose)
+    for one in [lora_config] if isinstance(lora_config, LoRAConfig) else lora_config:
+        apply_lora(model, one, verbose=verbose)
     if tp > 1:  # at tp = 1 the layers stay single-device LoRALinears: nothing to split, no plan needed
         parallelize(model, mesh)
     load_plan = plan_load(model, files)  # every key and shape checked, still nothing read

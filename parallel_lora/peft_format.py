@@ -4,22 +4,29 @@ Keys are ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...l
 config holds PEFT's ``LoraConfig`` fields. The safetensors header of a file we write also records (under
 ``__metadata__["parallel_lora"]``) the sha256 of the tensor data and the config fields that set the scale: PEFT
 and safetensors pass header metadata through untouched, so PEFT loads the file as its own, without a warning
-about unknown config keys.
+about unknown config keys. ``adapter_configs`` reads back, from a directory's config and tensor keys, the
+``LoRAConfig``s that rebuild its adapters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .config import LoRAConfig
+
 PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def peft_key(name: str, factor: str) -> str:
@@ -134,6 +141,36 @@ def peft_rank_alpha(file_config: dict[str, Any], name: str) -> tuple[Any, Any, s
     return r, alpha, source
 
 
+_KEY = re.compile(r"^base_model\.model\.(?:(.*)\.)?lora_A(?:\.default)?\.weight$")
+
+
+def module_names(keys: Iterable[str]) -> list[str]:
+    """The module paths an adapter file's tensor keys name (``base_model.model.<path>.lora_A.weight``, or
+    ``...lora_A.default.weight`` as PEFT keeps them in memory; ``""`` for a bare layer), in the file's order."""
+    return [m.group(1) or "" for k in keys if (m := _KEY.match(k))]
+
+
+def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Path, **fields: Any) -> list[LoRAConfig]:
+    """The ``LoRAConfig``s that rebuild the adapters of ``file_config`` on the modules ``names``: one per distinct
+    ``(r, lora_alpha)`` PEFT gives them (``peft_rank_alpha``: ``rank_pattern`` / ``alpha_pattern`` included), first
+    seen first, each targeting its modules by their full paths, with the file's ``use_rslora`` and
+    ``lora_dropout``; ``fields`` set the others (e.g. ``lora_dtype``). ``ValueError`` naming ``config_path`` for a
+    module without a valid ``r`` or ``lora_alpha``."""
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for name in names:
+        r, alpha, source = peft_rank_alpha(file_config, name)
+        if r is None or alpha is None:
+            raise ValueError(f"{config_path} gives module '{name}' r={r}, lora_alpha={alpha}{source}: both are needed")
+        groups.setdefault((r, alpha), []).append(name)
+    shared = {"use_rslora": bool(file_config.get("use_rslora", False)),
+              "dropout": file_config.get("lora_dropout") or 0.0, **fields}
+    try:
+        return [LoRAConfig(r=r, alpha=alpha, target_modules=tuple(modules), **shared)
+                for (r, alpha), modules in groups.items()]
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from e
+
+
 def read_record(metadata: dict[str, str], blob: bytes, weights_path: Path) -> dict[str, Any] | None:
     """Verify the sha256 of the tensor data that ``save_adapter`` recorded in the tensors file's header, and return
     the config fields recorded beside it; ``None`` for a file without the record (PEFT's), which is not checked."""
@@ -165,3 +202,56 @@ def check_saved_with(saved: dict[str, Any], file_config: dict, names: list[str],
                 f"'{name}' r={now[0]}, lora_alpha={now[1]}, use_rslora={now[2]}; the tensors were saved with "
                 f"r={then[0]}, lora_alpha={then[1]}, use_rslora={then[2]} (files of two saves mixed?)"
             )
+
+
+def adapter_files(path: str | os.PathLike, what: str) -> tuple[Path, Path]:
+    """``(tensors file, config file)`` of the adapter directory ``path``; ``ValueError`` where one is missing."""
+    folder = Path(path)
+    weights_path, config_path = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
+    for p in (weights_path, config_path):
+        if not p.is_file():
+            # Where the directory swap is two renames, a crash between them leaves the previous one beside it.
+            left = sorted(folder.parent.glob(f".{folder.name}.old-*")) if not folder.exists() else []
+            note = f" (an interrupted save_adapter left the previous adapter at {left[-1]})" if left else ""
+            raise ValueError(f"{what}: {p} does not exist{note}")
+    return weights_path, config_path
+
+
+def read_adapter_config(config_path: Path, what: str) -> dict[str, Any]:
+    """The JSON of a PEFT ``adapter_config.json``, refused (``ValueError``) unless it is plain LoRA."""
+    try:
+        file_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {config_path} is not valid JSON ({e})") from e
+    if not isinstance(file_config, dict):
+        raise ValueError(f"{what}: {config_path} holds no JSON object")
+    if file_config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{what}: {config_path} has peft_type={file_config.get('peft_type')!r}, expected 'LORA'")
+    check_plain_lora(file_config, config_path)
+    return file_config
+
+
+def adapter_configs(path: str | os.PathLike, **fields: Any) -> list[LoRAConfig]:
+    """The ``LoRAConfig``s that rebuild the adapters saved in the directory ``path`` (by ``save_adapter`` or PEFT):
+    one per distinct ``(r, lora_alpha)`` among its modules (``rank_pattern`` / ``alpha_pattern`` included), each
+    targeting its modules by their full paths; call ``apply_lora`` with each in turn (``from_pretrained`` takes the
+    list), then ``load_adapter``. ``fields`` set the other ``LoRAConfig`` fields (e.g. ``lora_dtype``).
+
+    Reads the config and the tensors file's header only. Raises ``ValueError`` naming the file for a missing or
+    unreadable file, a config that is not plain LoRA, or a module without ``r`` / ``lora_alpha``.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    weights_path, config_path = adapter_files(path, "adapter_configs")
+    file_config = read_adapter_config(config_path, "adapter_configs")
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            names = module_names(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"adapter_configs: cannot read {weights_path} (truncated or corrupt?): {e}") from e
+    if not names:
+        raise ValueError(f"adapter_configs: {weights_path} holds no LoRA tensors (base_model.model.*.lora_A.weight)")
+    try:
+        return lora_configs(file_config, names, config_path, **fields)
+    except ValueError as e:
+        raise ValueError(f"adapter_configs: {e}") from e

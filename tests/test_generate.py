@@ -6,7 +6,9 @@ Reference: transformers' own greedy ``generate`` of the same checkpoint, with th
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,7 @@ import _hf
 import pytest
 import torch
 
-from parallel_lora import LoRAConfig, save_adapter
-from parallel_lora.hf import from_pretrained
+from parallel_lora import LoRAConfig, apply_lora, save_adapter
 from parallel_lora.layers import lora_modules
 
 transformers = pytest.importorskip("transformers")
@@ -29,13 +30,18 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model_and_adapter(tmp_path_factory) -> tuple[Path, Path]:
+    """A checkpoint, and an adapter of two ranks and alphas (``apply_lora`` twice): its file has ``rank_pattern``
+    and ``alpha_pattern`` entries, which generate.py must honour."""
     root = tmp_path_factory.mktemp("gen")
     model_dir = _hf.write_checkpoint(root / "model")
-    model = from_pretrained(model_dir, LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    apply_lora(model, LoRAConfig(r=2, alpha=6, target_modules=("down_proj",)))
     with torch.no_grad():
         for _, layer in lora_modules(model):
             layer.lora_B.weight.normal_(0.0, 0.5)  # a strong update, so the completions differ
     save_adapter(model, root / "adapter")
+    assert json.loads((root / "adapter" / "adapter_config.json").read_text())["rank_pattern"]
     return model_dir, root / "adapter"
 
 
@@ -85,3 +91,19 @@ def test_generate_refuses_a_missing_model_or_adapter_with_a_message(model_and_ad
     assert proc.returncode != 0 and "does not exist" in proc.stderr, proc.stderr[-2000:]
     proc = _generate("--model", str(model_dir), "--adapter", str(tmp_path), "--prompt", PROMPT)
     assert proc.returncode != 0 and "no adapter_config.json there" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_generate_refuses_an_adapter_config_without_r_once_under_torchrun(model_and_adapter, tmp_path):
+    model_dir, adapter = model_and_adapter
+    broken = tmp_path / "adapter"
+    shutil.copytree(adapter, broken)
+    config = json.loads((broken / "adapter_config.json").read_text())
+    del config["r"]
+    (broken / "adapter_config.json").write_text(json.dumps(config))
+    proc = _generate("--model", str(model_dir), "--adapter", str(broken), "--prompt", PROMPT, nproc=2)
+    assert proc.returncode != 0
+    # One line from rank 0, before any process group or weight, instead of a KeyError traceback per rank (torchrun
+    # adds its own summary of the failed job).
+    message = "generate.py: error: --adapter: adapter_configs: "
+    assert proc.stderr.count(message) == 1 and "r=None, lora_alpha=8: both are needed" in proc.stderr, proc.stderr
+    assert "KeyError" not in proc.stderr and "apply_lora" not in proc.stderr, proc.stderr
