@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from .config import LoRAConfig
 from .hf_loading import checkpoint_files, init_non_persistent_buffers, load_sharded, plan_load
 from .layers import LoRALinear, apply_lora, lora_modules
+from .parallel import rank_device
 
 CONFIG_FILE = "config.json"
 # Any one of these makes a tokenizer AutoTokenizer can load (fast, SentencePiece, BPE, WordPiece).
@@ -238,12 +239,6 @@ def _tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return mesh["tp"]
 
 
-def _default_device(mesh: DeviceMesh | None) -> torch.device:
-    if mesh is not None and mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type if mesh is not None else "cpu")
-
-
 def from_pretrained(
     path: str | Path,
     lora_config: LoRAConfig | Sequence[LoRAConfig],
@@ -282,7 +277,9 @@ def from_pretrained(
         parallelize(model, mesh)
     load_plan = plan_load(model, files)  # every key and shape checked, still nothing read
 
-    device = torch.device(device) if device is not None else _default_device(mesh)
+    if device is None:
+        device = rank_device(mesh) if mesh is not None else torch.device("cpu")
+    device = torch.device(device)
     tied = _tied_pairs(model)
     model.to_empty(device=device)
     _retie(model, tied)

@@ -64,7 +64,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _rank_device(mesh: DeviceMesh) -> torch.device:
+def rank_device(mesh: DeviceMesh) -> torch.device:
     """This rank's device of the mesh: the current CUDA device for a CUDA mesh."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -77,7 +77,7 @@ def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> 
     if device is None and torch.get_default_device().type == "meta":
         device = "meta"
     if device is None:
-        return _rank_device(mesh)
+        return rank_device(mesh)
     device = torch.device(device)
     if device.type not in (mesh.device_type, "meta"):
         raise ValueError(
