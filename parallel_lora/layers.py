@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .backend import resolve_backend
 from .config import LoRAConfig
 from .dropout import Dropout, DropoutStream
-from .functional import check_inputs, linear, lora_linear_local, resolve_backend
+from .functional import check_inputs, linear, lora_linear_local
 from .log import logger
 
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .backend import resolve_backend
 from .comm import (
     DeferredGradReduction,
     ReducedOutput,
@@ -47,7 +48,7 @@ from .comm import (
 from .config import LoRAConfig
 from .dropout import SEED_BOUND, Dropout, DropoutStream
 from .dtypes import cast_to, compute_dtype
-from .functional import LoRALinearFunction, resolve_backend
+from .functional import LoRALinearFunction
 from .layers import LoRALinear, stream_dropout
 from .layouts import LAYOUTS
 
