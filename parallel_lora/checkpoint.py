@@ -205,10 +205,9 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     blob = weights_path.read_bytes()
     try:
         tensors = load(blob)
-        header = json.loads(bytes(memoryview(blob)[8 : 8 + int.from_bytes(blob[:8], "little")]))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
-    saved_with = read_record(header.get("__metadata__") or {}, blob, weights_path)
+    saved_with = read_record(blob, weights_path)
 
     for name, m in modules:
         r, alpha, source = peft_rank_alpha(file_config, name)

@@ -80,9 +80,18 @@ SCALE_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern"
 RECORD = "parallel_lora"  # the safetensors header metadata key of that record and the tensors' checksum
 
 
+def _header_end(blob: bytes) -> int:
+    """Where the tensor bytes of a serialized safetensors file start: after its 8-byte little-endian header length
+    and the JSON header."""
+    return 8 + int.from_bytes(blob[:8], "little")
+
+
+def _header(blob: bytes) -> dict[str, Any]:
+    return json.loads(bytes(memoryview(blob)[8 : _header_end(blob)]))
+
+
 def _data_section(blob: bytes) -> memoryview:
-    """The tensor bytes of a serialized safetensors file (after its 8-byte length and JSON header)."""
-    return memoryview(blob)[8 + int.from_bytes(blob[:8], "little"):]
+    return memoryview(blob)[_header_end(blob) :]
 
 
 def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> bytes:
@@ -171,9 +180,14 @@ def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Pat
         raise ValueError(f"{config_path}: {e}") from e
 
 
-def read_record(metadata: dict[str, str], blob: bytes, weights_path: Path) -> dict[str, Any] | None:
-    """Verify the sha256 of the tensor data that ``save_adapter`` recorded in the tensors file's header, and return
-    the config fields recorded beside it; ``None`` for a file without the record (PEFT's), which is not checked."""
+def read_record(blob: bytes, weights_path: Path) -> dict[str, Any] | None:
+    """Verify the sha256 of the tensor data that ``save_adapter`` recorded in the header of the tensors file ``blob``
+    (read from ``weights_path``), and return the config fields recorded beside it; ``None`` for a file without the
+    record (PEFT's), which is not checked."""
+    try:
+        metadata = _header(blob).get("__metadata__") or {}
+    except ValueError as e:
+        raise ValueError(f"load_adapter: cannot read the header of {weights_path} (corrupt?): {e}") from e
     if RECORD not in metadata:
         return None
     try:
