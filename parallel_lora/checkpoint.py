@@ -207,7 +207,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         tensors = load(blob)
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
-    saved_with = read_record(blob, weights_path)
+    saved_with = read_record(blob, tensors, weights_path)
 
     for name, m in modules:
         r, alpha, source = peft_rank_alpha(file_config, name)

@@ -94,17 +94,24 @@ def _data_section(blob: bytes) -> memoryview:
     return memoryview(blob)[_header_end(blob) :]
 
 
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of ``tensors`` in sorted-key order, each as its key, dtype, shape and bytes: every byte of a safetensors
+    file's data belongs to one tensor, so a changed byte there (or a changed key, dtype or shape) changes it."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        h.update(json.dumps([key, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> bytes:
-    """The safetensors file of ``tensors``, its header recording the sha256 of the tensor data and ``config``'s
+    """The safetensors file of ``tensors``, its header recording their sha256 (``tensors_sha256``) and ``config``'s
     scale fields. PEFT and safetensors pass header metadata through untouched."""
     from safetensors.torch import save
 
-    data = bytes(_data_section(save(tensors, metadata={"format": "pt"})))
-    record = {"tensors_sha256": hashlib.sha256(data).hexdigest(), "config": {k: config[k] for k in SCALE_FIELDS}}
-    blob = save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)})
-    if _data_section(blob) != data:  # the layout depends on the tensors only, never on the metadata
-        raise RuntimeError("save_adapter: safetensors laid the same tensors out differently twice")
-    return blob
+    record = {"sha256": tensors_sha256(tensors), "config": {k: config[k] for k in SCALE_FIELDS}}
+    return save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)})
 
 
 # PEFT ``LoraConfig`` fields that make an adapter compute something other than ``s * B A x`` on a plain linear
@@ -180,10 +187,10 @@ def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Pat
         raise ValueError(f"{config_path}: {e}") from e
 
 
-def read_record(blob: bytes, weights_path: Path) -> dict[str, Any] | None:
-    """Verify the sha256 of the tensor data that ``save_adapter`` recorded in the header of the tensors file ``blob``
-    (read from ``weights_path``), and return the config fields recorded beside it; ``None`` for a file without the
-    record (PEFT's), which is not checked."""
+def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Path) -> dict[str, Any] | None:
+    """Verify the sha256 that ``save_adapter`` recorded in the header of the tensors file ``blob`` (read from
+    ``weights_path``; ``tensors``: its contents), and return the config fields recorded beside it; ``None`` for a
+    file without the record (PEFT's), which is not checked."""
     try:
         metadata = _header(blob).get("__metadata__") or {}
     except ValueError as e:
@@ -192,10 +199,12 @@ def read_record(blob: bytes, weights_path: Path) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(metadata[RECORD])
-        want, saved = record["tensors_sha256"], record["config"]
+        saved = record["config"]
+        # A record's first form hashed the file's data section as it lay ("tensors_sha256").
+        want = record["sha256"] if "sha256" in record else record["tensors_sha256"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"load_adapter: {weights_path} has an unreadable '{RECORD}' record (corrupt?): {e}") from e
-    got = hashlib.sha256(_data_section(blob)).hexdigest()
+    got = tensors_sha256(tensors) if "sha256" in record else hashlib.sha256(_data_section(blob)).hexdigest()
     if got != want:
         raise ValueError(
             f"load_adapter: {weights_path} fails its checksum (sha256 of the tensor data {got[:16]}..., recorded "

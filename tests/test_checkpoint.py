@@ -6,6 +6,7 @@ is in ``test_checkpoint_parallel.py``.
 """
 
 import copy
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -343,22 +344,57 @@ def test_an_adapter_directory_changes_as_a_whole(tmp_path, monkeypatch, crash_at
     assert _siblings(out) == ["reference"]  # no temporary directory left beside it
 
 
-def _flip_a_tensor_byte(weights: Path) -> None:
+def _flip_a_tensor_byte(weights: Path, where: str = "first") -> None:
     data = bytearray(weights.read_bytes())
     header = int.from_bytes(data[:8], "little")
-    data[8 + header + 5] ^= 0x10  # inside the first tensor's values
+    index = 8 + header + 5 if where == "first" else len(data) - 1  # inside the first (last) tensor's values
+    data[index] ^= 0x10
     weights.write_bytes(bytes(data))
 
 
-def test_a_flipped_byte_in_the_tensor_data_is_refused_naming_the_file(tmp_path):
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_flipped_byte_in_the_tensor_data_is_refused_naming_the_file(tmp_path, where):
     base = _base()
     save_adapter(_adapted(base, seed=1), tmp_path)
-    _flip_a_tensor_byte(tmp_path / ADAPTER_WEIGHTS)
+    _flip_a_tensor_byte(tmp_path / ADAPTER_WEIGHTS, where)
     model = _adapted(base, seed=2)
     before = _adapter_state(model)
     with pytest.raises(ValueError, match=rf"{ADAPTER_WEIGHTS}.*checksum"):
         load_adapter(model, tmp_path)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_save_adapter_serializes_the_tensors_once(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    calls = []
+    real_save = safetensors.torch.save
+    monkeypatch.setattr(safetensors.torch, "save", lambda *a, **k: calls.append(1) or real_save(*a, **k))
+    save_adapter(_adapted(_base()), tmp_path)
+    assert len(calls) == 1  # the checksum is taken from the tensors, not from a first serialization
+
+
+def test_a_file_whose_record_hashes_the_data_section_is_still_checked(tmp_path):
+    # The record's first form: the sha256 of the file's data section under "tensors_sha256".
+    from safetensors.torch import save
+
+    from parallel_lora.peft_format import RECORD
+
+    base = _base()
+    save_adapter(_adapted(base, seed=1), tmp_path)
+    weights = tmp_path / ADAPTER_WEIGHTS
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file rewritten below
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    plain = save(tensors, metadata={"format": "pt"})
+    sha = hashlib.sha256(plain[8 + int.from_bytes(plain[:8], "little"):]).hexdigest()
+    record = {"tensors_sha256": sha, "config": {k: config[k] for k in ("r", "lora_alpha", "use_rslora",
+                                                                       "rank_pattern", "alpha_pattern")}}
+    weights.write_bytes(save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)}))
+    model = load_adapter(_adapted(base, seed=2), tmp_path)
+    assert all(torch.equal(model.state_dict()[k[len("base_model.model."):]], v) for k, v in tensors.items())
+    _flip_a_tensor_byte(weights)
+    with pytest.raises(ValueError, match=rf"{ADAPTER_WEIGHTS}.*checksum"):
+        load_adapter(_adapted(base, seed=2), tmp_path)
 
 
 def test_a_pair_mixed_by_hand_is_refused(tmp_path):
