@@ -18,6 +18,7 @@ from model import PRESETS, check_tp, config_for
 
 from parallel_lora import latest_checkpoint
 from parallel_lora.dropout import P_RANGE, valid_p
+from parallel_lora.log import rank
 
 # Arguments that fix the batches, the model or the schedule: a resumed run that changes one of them
 # cannot reproduce the uninterrupted run, so resume warns.
@@ -32,16 +33,11 @@ DATA_SUFFIXES = (".jsonl", ".txt")
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "adapter", "loss.png")
 
 
-def is_rank0() -> bool:
-    """Rank 0 of the job (``$RANK``, set by torchrun before any process group; absent for a world of one)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 class RankZeroParser(argparse.ArgumentParser):
     """``argparse`` that prints (help, errors) on rank 0 only, an error as one line."""
 
     def _print_message(self, message: str, file=None) -> None:
-        if is_rank0():
+        if rank() == 0:  # $RANK before the process group exists
             super()._print_message(message, file)
 
     def error(self, message: str):

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from cli import is_rank0
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel_lora import latest_checkpoint
 from parallel_lora.checkpoint import is_collective_failure
+from parallel_lora.log import rank
 
 
 class _Run:
@@ -75,7 +75,7 @@ def init_distributed(device_type: str, dp: int, tp: int, timeout_s: float, check
 
 def refuse(message: str) -> None:
     """An error in the arguments found after start-up (every rank finds it): print it once, exit with code 2."""
-    if is_rank0():
+    if rank() == 0:
         print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -108,13 +108,13 @@ def _report(exc: BaseException) -> int:
     if RUN.interrupted or isinstance(exc, KeyboardInterrupt):
         # Every rank was interrupted; what a rank's peers did meanwhile (closing connections) is no news.
         hint = _resume_hint()
-        if is_rank0():
+        if rank() == 0:
             print(f"interrupted at step {RUN.step}; resume with --resume ({hint})" if hint else "interrupted",
                   file=sys.stderr)
         return 130
     if is_collective_failure(exc):
-        rank, hint = os.environ.get("RANK", "0"), _resume_hint()
-        print(f"[rank {rank}] the {RUN.phase} failed: {_cause(exc)}" + (f". Resume with --resume ({hint})" if hint
+        hint = _resume_hint()
+        print(f"[rank {rank()}] the {RUN.phase} failed: {_cause(exc)}" + (f". Resume with --resume ({hint})" if hint
               else ""), file=sys.stderr)
         return 1
     traceback.print_exception(exc)
@@ -127,7 +127,7 @@ def _outcome(main: Callable[[], None]) -> int:
         return 0
     except SystemExit as e:  # argparse and refuse() printed their message already
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if code != 0 and not is_rank0():
+        if code != 0 and rank() != 0:
             # Every rank found the same error; the first to exit makes torchrun stop the others, so let rank 0,
             # the one that prints it, go first.
             time.sleep(2)

@@ -1,7 +1,7 @@
 """The library's logger, ``logging.getLogger("parallel_lora")``: INFO and above on stderr, on rank 0 only.
 
 Under ``torchrun`` every rank runs the same code, so a message would otherwise appear once per rank. The
-logger drops records on ranks other than 0 (the rank of the default process group, else ``$RANK``). To
+logger drops records on ranks other than 0 (``rank()``: of the default process group, else ``$RANK``). To
 configure it otherwise:
 
 - silence it: ``logging.getLogger("parallel_lora").setLevel(logging.WARNING)``;
@@ -20,15 +20,17 @@ import torch.distributed as dist
 logger = logging.getLogger("parallel_lora")
 
 
-def _rank() -> int:
+def rank() -> int:
+    """This process's rank: in the default process group, else ``$RANK`` (torchrun sets it before the group exists),
+    else 0 (a process of its own)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))  # torchrun sets it before the process group exists
+    return int(os.environ.get("RANK", "0"))
 
 
 class _RankZeroFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return _rank() == 0
+        return rank() == 0
 
 
 class _StderrHandler(logging.StreamHandler):
