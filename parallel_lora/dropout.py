@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,14 +182,14 @@ def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)
 
 
-def draw_seed(like: torch.Tensor) -> torch.Tensor:
-    """A fresh seed, ``[1]`` int64 in ``[0, 2**62)``, drawn on ``like``'s device from its default generator (``like``'s
-    values are not read): no host sync, and under CUDA graph capture a new value at every replay (the generator's
-    offset advances per replay). Traced by torch.compile as the ``parallel_lora::dropout_seed`` op, which draws the
-    same numbers."""
+def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """A fresh seed, ``[1]`` int64 in ``[offset, offset + 2**62)``, drawn on ``like``'s device from its default
+    generator (``like``'s values are not read) in one op: no host sync, and under CUDA graph capture a new value at
+    every replay (the generator's offset advances per replay). ``offset + randint(0, 2**62)`` by the same generator
+    state. Traced by torch.compile as the ``parallel_lora::dropout_seed`` op, which draws the same numbers."""
     if torch.compiler.is_compiling():
-        return torch.ops.parallel_lora.dropout_seed(like)
-    return torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, device=like.device)
+        return torch.ops.parallel_lora.dropout_seed(like, offset)
+    return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=like.device)
 
 
 # The draw as torch.compile sees it: an opaque op, so Inductor runs torch's own generator exactly as the eager path
@@ -198,12 +197,12 @@ def draw_seed(like: torch.Tensor) -> torch.Tensor:
 # and, where activation checkpointing recomputes it, replays it with the forward's generator state (which takes a
 # tensor argument to find the device: hence ``like``).
 @custom_op("parallel_lora::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _dropout_seed_op(like: torch.Tensor) -> torch.Tensor:
-    return draw_seed(like)
+def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    return draw_seed(like, offset)
 
 
 @_dropout_seed_op.register_fake
-def _(like: torch.Tensor) -> torch.Tensor:
+def _(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device=like.device)
 
 
@@ -214,10 +213,10 @@ class CallSeeds:
     not keep. A layer that took a new seed there would rebuild ``S = s * drop(x) A^T`` under another mask than
     its forward used, and ``dB = dy^T S`` would come out silently wrong. Checkpointing restores the CPU
     generator before the rerun (``preserve_rng_state=True``, its default), so every call draws one tag from it
-    (``new_seed``, or the caller's ``tag``, drawn likewise): a call outside backward is a new call, whose seed
-    ``fresh(tag)`` (an int, or a seed tensor) is kept under its tag; a call inside backward is a rerun and gets the
-    seed kept under its tag, or an error if there is none. Each call draws exactly one tag either way, so the
-    generator stays in step for the region's other random ops.
+    (``new_seed``, or the caller's ``tag``, drawn likewise): a call outside backward is a new call, whose ``seed``
+    (an int, or a seed tensor) is kept under its tag and returned; a call inside backward is a rerun and gets the
+    seed kept under its tag instead, or an error if there is none. Each call draws exactly one tag either way, so
+    the generator stays in step for the region's other random ops.
     """
 
     # Calls of one layer whose rerun may still be to come: micro-batches in flight times calls per forward.
@@ -226,11 +225,11 @@ class CallSeeds:
     def __init__(self) -> None:
         self._seeds: OrderedDict[int, torch.Tensor | int] = OrderedDict()
 
-    def __call__(self, fresh: Callable[[int], torch.Tensor | int], tag: int | None = None) -> torch.Tensor | int:
+    def __call__(self, seed: torch.Tensor | int, tag: int | None = None) -> torch.Tensor | int:
         tag = new_seed() if tag is None else tag
         # The autograd engine's graph task of this thread: -1 outside a backward pass (checkpointing asks the same).
         if torch._C._current_graph_task_id() == -1:
-            seed = self._seeds[tag] = fresh(tag)
+            self._seeds[tag] = seed
             self._seeds.move_to_end(tag)
             while len(self._seeds) > self.KEPT:
                 self._seeds.popitem(last=False)
@@ -262,8 +261,8 @@ class DropoutStream:
 
     Seeds follow the generator, as ``nn.Dropout``'s masks do: ``torch.manual_seed`` (or restoring its state)
     replays them, and two copies of a model draw alike from the same generator state. ``offset`` (an int below
-    2**62, default 0) is added to every seed: streams that must not share masks on generators in the same state
-    (e.g. data-parallel replicas of a tensor-parallel layer) take different offsets.
+    2**62, default 0) is added to every seed, inside the draw (one op): streams that must not share masks on
+    generators in the same state (e.g. data-parallel replicas of a tensor-parallel layer) take different offsets.
     """
 
     def __init__(self, offset: int = 0) -> None:
@@ -275,9 +274,7 @@ class DropoutStream:
     def next_seed(self, x: torch.Tensor) -> torch.Tensor:
         """The seed of this forward call on ``x`` (the layer's input), ``[1]`` int64 on its device, in
         ``[0, 2**63)``."""
+        seed = draw_seed(x, self.offset)
         if torch.compiler.is_compiling():
-            seed = draw_seed(x)
-        else:
-            drawn = draw_seed(x)
-            seed = self._calls(lambda tag: drawn, int(drawn.item()) if x.device.type == "cpu" else None)
-        return seed + self.offset if self.offset else seed
+            return seed
+        return self._calls(seed, int(seed.item()) if x.device.type == "cpu" else None)

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_lora.dropout import (
     Dropout,
@@ -258,12 +259,33 @@ def test_a_bad_stream_offset_raises_value_error(offset):
         DropoutStream(offset=offset)
 
 
-def test_compiled_draws_are_the_eager_draws():
+@pytest.mark.parametrize("offset", [0, 2**61 + 5])
+def test_compiled_draws_are_the_eager_draws(offset):
     # Inductor would lower a traced randint to its own generator; the draw is an opaque op, so Inductor calls
     # torch's generator as the eager path does.
     x = torch.zeros(4)
     torch.manual_seed(3)
-    eager = [draw_seed(x) for _ in range(3)]
-    compiled = torch.compile(draw_seed, fullgraph=True)
+    eager = [draw_seed(x, offset) for _ in range(3)]
+    compiled = torch.compile(lambda x: draw_seed(x, offset), fullgraph=True)
     torch.manual_seed(3)
     assert [int(compiled(x)) for _ in range(3)] == [int(s) for s in eager]
+    assert all(offset <= int(s) < offset + 2**62 for s in eager)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_stream_with_an_offset_draws_its_seed_in_one_op():
+    # The offset goes into the draw's range: no second op (a CUDA launch per layer per forward) to add it.
+    x = torch.zeros(4)
+    with _Ops() as rec:
+        DropoutStream(offset=2**61).next_seed(x)
+    device_ops = [op for op in rec.ops if op != "_local_scalar_dense.default"]  # the CPU tag's read, no launch
+    assert len(device_ops) == 1 and device_ops[0].startswith("randint"), rec.ops
