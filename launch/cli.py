@@ -13,6 +13,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import NoReturn
 
 from model import PRESETS, check_tp, config_for
 
@@ -40,7 +41,7 @@ class RankZeroParser(argparse.ArgumentParser):
         if rank() == 0:  # $RANK before the process group exists
             super()._print_message(message, file)
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

@@ -69,7 +69,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def config_for(preset: str, **overrides) -> ModelConfig:
+def config_for(preset: str, **overrides: int | float) -> ModelConfig:
     """The preset's config with ``overrides`` (e.g. ``vocab_size``) applied."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")

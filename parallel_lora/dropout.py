@@ -30,6 +30,7 @@ MASK32 = 0xFFFFFFFF  # the hash works on uint32: every intermediate is taken mod
 FMIX_M1 = 0x85EBCA6B
 FMIX_M2 = 0xC2B2AE35
 GOLDEN32 = 0x9E3779B9
+Word = torch.Tensor | int  # uint32 values: an int64 tensor of them, or a Python int
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,12 @@ P_LIMIT = 1.0 - 2.0**-16
 P_RANGE = "[0, 1 - 2**-16)"
 
 
-def valid_p(p) -> bool:
+def valid_p(p: object) -> bool:
     """Whether ``p`` is a usable dropout probability: a real number in ``P_RANGE``."""
     return isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p < P_LIMIT
 
 
-def _mul32(x, c: int):
+def _mul32(x: Word, c: int) -> Word:
     """``x * c mod 2**32`` for uint32 values ``x`` (int64 tensor or Python int) and a uint32 constant ``c``.
 
     A product of two uint32 values overflows int64, so ``c`` is split into 16-bit halves: ``x * lo < 2**48``
@@ -77,7 +78,7 @@ def _mul32(x, c: int):
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
 
 
-def fmix32(x):
+def fmix32(x: Word) -> Word:
     """murmur3's 32-bit finalizer on uint32 values held in int64 (a bijection of ``[0, 2**32)`` with full
     avalanche: each input bit flips each output bit with probability ~1/2)."""
     x = x ^ (x >> 16)
@@ -87,7 +88,7 @@ def fmix32(x):
     return x ^ (x >> 16)
 
 
-def hash_keys(seed):
+def hash_keys(seed: torch.Tensor | int) -> tuple[Word, Word]:
     """The per-call keys ``(k_row, k_col)``: a bijection of the 64-bit seed ``(lo, hi)`` (scalar work, once per
     kernel program) so that every seed bit, ``hi`` included, reaches both keys through a full avalanche::
 
@@ -107,7 +108,7 @@ def hash_keys(seed):
     return k_row, k_col
 
 
-def hash_bits(seed, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+def hash_bits(seed: torch.Tensor | int, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """The 32-bit hash ``h(m, w) = fmix32(fmix32(m ^ k_row) + fmix32(w ^ k_col))`` (uint32 arithmetic, ``+``
     mod 2**32) of broadcastable int64 index tensors (row ``m``, word ``w``), as int64 holding uint32 values.
     Word ``w`` of a row holds the uniforms of columns ``2w`` and ``2w + 1`` (``hash_uniform``).
@@ -131,16 +132,15 @@ def hash_bits(seed, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return fmix32((r + c) & MASK32)
 
 
-def hash_uniform(seed, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def hash_uniform(seed: torch.Tensor | int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """Uniform fp32 in [0, 1): ``u = v * 2**-16``, with ``v`` the low 16 bits of ``h(m, c >> 1)`` for an even
     column ``c`` and the high 16 bits for an odd one (``h = hash_bits``, ``c`` taken mod 2**32).
 
     ``rows``/``cols`` are broadcastable int64 tensors of global row/column indices (taken mod 2**32), ``seed`` an int
     or a 1-element int64 tensor on their device (``hash_keys``). Every
-    value is a multiple of 2**-16 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``.
-    Two uniforms per hash cut the kernels' integer work per element by ~40% against a 24-bit uniform per hash
-    (the mask of the fused backward's 128 x 256 dx tile, in sm_90a SASS); p then moves in steps of 2**-16 (the
-    kept fraction is ``1 - ceil(p * 2**16) * 2**-16``).
+    value is a multiple of 2**-16 below 1, exact in fp32: bit-exact with the Triton kernels' ``uniform_tile``. Two
+    uniforms per hash halve the hashes, the kernels' integer work per element, against one wider uniform per hash;
+    p then moves in steps of 2**-16 (the kept fraction is ``1 - ceil(p * 2**16) * 2**-16``).
     """
     cols = cols & MASK32
     h = hash_bits(seed, rows, cols >> 1)

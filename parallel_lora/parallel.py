@@ -345,8 +345,7 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor parameter. A frozen one has no gradient to route, so it is the tensor
-    ``to_local()`` returns under ``no_grad``, taken without the grad-mode switch (~3 us a parameter on the dev
-    CPU, at every forward)."""
+    ``to_local()`` returns under ``no_grad``, taken without the grad-mode switch (host time at every forward)."""
     if param.requires_grad:
         return param.to_local()
     return param._local_tensor
