@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
+from data import data_file_problem
 from model import PRESETS, check_tp, config_for
 
 from parallel_lora import latest_checkpoint
@@ -29,7 +30,6 @@ RUN_KEYS = ("preset", "model", "data", "eval_fraction", "seed", "batch_size", "s
 SHAPE_KEYS = ("preset", "rank")
 DEFAULT_PRESET = "small"
 DEFAULT_EVAL_EVERY, DEFAULT_EVAL_FRACTION = 20, 0.05
-DATA_SUFFIXES = (".jsonl", ".txt")
 # What a run writes under --output-dir (a run never removes anything else).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "adapter", "loss.png")
 
@@ -190,11 +190,9 @@ def _data_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--eval-every must be >= 0 (0: never), got {args.eval_every}")
     if not 0.0 <= args.eval_fraction < 1.0:
         problems.append(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
-    data = Path(args.data)
-    if not data.is_file():
-        problems.append(f"--data {data} {'is not a file' if data.exists() else 'does not exist'}")
-    elif data.suffix not in DATA_SUFFIXES:
-        problems.append(f"--data {data}: expected a .jsonl or .txt file, got '{data.suffix}'")
+    problem = data_file_problem(Path(args.data))
+    if problem:
+        problems.append(f"--data {problem}")
     return problems
 
 

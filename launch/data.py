@@ -117,6 +117,7 @@ def _generator(seed: int, step: int, micro_step: int) -> torch.Generator:
 
 # -- a user's file, a checkpoint's tokenizer ----------------------------------------------------------------
 
+DATA_SUFFIXES = (".jsonl", ".txt")  # the training text read_documents reads
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: targets that carry no loss
 
 
@@ -130,6 +131,16 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return tokenizer
 
 
+def data_file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as training text (it names the path: missing, not a file, another suffix than
+    ``DATA_SUFFIXES``), or ``None``."""
+    if not path.is_file():
+        return f"{path} {'is not a file' if path.exists() else 'does not exist'}"
+    if path.suffix not in DATA_SUFFIXES:
+        return f"{path}: expected a .jsonl or .txt file, got '{path.suffix}'"
+    return None
+
+
 def read_documents(path: str | Path) -> list[tuple[str, str]]:
     """``[(prompt, text)]`` of a ``.jsonl`` or ``.txt`` file; ``prompt`` is ``""`` for plain text.
 
@@ -137,10 +148,9 @@ def read_documents(path: str | Path) -> list[tuple[str, str]]:
     ``"text"`` or ``"prompt"`` + ``"completion"`` strings, or a file without documents.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data file {path} does not exist")
-    if path.suffix not in (".jsonl", ".txt"):
-        raise ValueError(f"data file {path}: expected a .jsonl or .txt file, got '{path.suffix}'")
+    problem = data_file_problem(path)
+    if problem:
+        raise ValueError(f"data file {problem}")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".txt":
         docs = [("", block.strip()) for block in text.split("\n\n") if block.strip()]
