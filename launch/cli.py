@@ -199,14 +199,13 @@ def _data_problems(args: argparse.Namespace) -> list[str]:
 def _checkpoint_problem(args: argparse.Namespace) -> str | None:
     """What ``check_checkpoint`` refuses at this ``--tp`` (path, files, tokenizer, plan, heads), and a ``--seq-len``
     beyond the model's ``max_position_embeddings``. Reads ``config.json`` and the safetensors headers only."""
-    from parallel_lora.hf import check_checkpoint
+    from parallel_lora.hf import check_checkpoint, text_config
 
     try:
         config = check_checkpoint(args.model, args.tp)
     except ValueError as e:
         return f"--model: {e}"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    max_len = getattr(text, "max_position_embeddings", None)
+    max_len = getattr(text_config(config), "max_position_embeddings", None)
     if isinstance(max_len, int) and args.seq_len > max_len:
         return f"--seq-len must be <= {max_len}, the model's max_position_embeddings; got {args.seq_len}"
     return None

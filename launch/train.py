@@ -57,7 +57,7 @@ from parallel_lora import (  # noqa: E402
     save_checkpoint,
 )
 from parallel_lora.files import replace_file  # noqa: E402
-from parallel_lora.hf import from_pretrained  # noqa: E402  (transformers is imported when a model is built)
+from parallel_lora.hf import from_pretrained, text_config  # noqa: E402  (transformers is imported when a model is built)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Data-parallel replicas' generator seeds lie this far apart (odd, the 64-bit golden ratio: no two replicas meet).
@@ -151,7 +151,7 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
         faults.refuse(f"--model: {e}")
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    text = model.config.get_text_config()
+    text = text_config(model.config)
     about = (f"model {args.model} ({type(model).__name__}): {text.num_hidden_layers} layers, hidden "
              f"{text.hidden_size}, {text.num_attention_heads} heads / {text.num_key_value_heads} kv heads, bf16 base, "
              f"fp32 adapters; data {args.data}: {len(data.train_starts)} train / {len(data.eval_starts)} eval "

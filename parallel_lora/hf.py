@@ -63,7 +63,8 @@ def _transformers() -> Any:
     return transformers
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
+    """The language model's part of a transformers ``config`` (a multimodal model's text config), else ``config``."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -104,7 +105,7 @@ def check_tp(config: Any, tp: int) -> None:
         raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
     if tp == 1:
         return
-    text = _text_config(config)
+    text = text_config(config)
     plan = getattr(text, "base_model_tp_plan", None) or {}
     if not plan:
         raise ValueError(f"{_arch(config)} declares no tensor-parallel plan (config.base_model_tp_plan is empty): "
