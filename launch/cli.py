@@ -202,10 +202,10 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
     from parallel_lora.hf import check_checkpoint, text_config
 
     try:
-        config = check_checkpoint(args.model, args.tp)
+        args.checked_model = check_checkpoint(args.model, args.tp)  # from_pretrained reads none of it again
     except ValueError as e:
         return f"--model: {e}"
-    max_len = getattr(text_config(config), "max_position_embeddings", None)
+    max_len = getattr(text_config(args.checked_model.config), "max_position_embeddings", None)
     if isinstance(max_len, int) and args.seq_len > max_len:
         return f"--seq-len must be <= {max_len}, the model's max_position_embeddings; got {args.seq_len}"
     return None

@@ -31,15 +31,16 @@ from cli import RankZeroParser  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 
 from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
-from parallel_lora.hf import check_checkpoint, from_pretrained  # noqa: E402
+from parallel_lora.hf import CheckedCheckpoint, check_checkpoint, from_pretrained  # noqa: E402
 from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[LoRAConfig]]:
-    """The checked arguments and the adapter's ``LoRAConfig``s. Exits with code 2, one message from rank 0, on a bad
-    flag, a checkpoint that cannot load at this TP size (``check_checkpoint``) or an adapter it cannot rebuild."""
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, CheckedCheckpoint, list[LoRAConfig]]:
+    """The checked arguments, the checkpoint (``check_checkpoint``'s, for ``from_pretrained``) and the adapter's
+    ``LoRAConfig``s. Exits with code 2, one message from rank 0, on a bad flag, a checkpoint that cannot load at this
+    TP size or an adapter it cannot rebuild."""
     p = RankZeroParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config, safetensors, tokenizer)")
     p.add_argument("--adapter", required=True,
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         p.error(f"--timeout must be a finite number > 0 (seconds), got {args.timeout}")
     try:
-        check_checkpoint(args.model, int(os.environ.get("WORLD_SIZE", "1")))
+        checkpoint = check_checkpoint(args.model, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
         p.error(f"--model: {e}")
     adapter = Path(args.adapter)
@@ -68,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         configs = adapter_configs(adapter, lora_dtype=torch.float32)
     except ValueError as e:
         p.error(f"--adapter: {e}")
-    return args, configs
+    return args, checkpoint, configs
 
 
 def complete(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int, device: torch.device) -> str:
@@ -83,7 +84,7 @@ def complete(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, configs = parse_args(argv)
+    args, checkpoint, configs = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         faults.refuse(f"--model: {e}")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     faults.at("model load")
-    model = from_pretrained(args.model, configs, mesh=mesh, dtype=dtype, device=device)
+    model = from_pretrained(checkpoint, configs, mesh=mesh, dtype=dtype, device=device)
     try:
         load_adapter(model, args.adapter)
     except ValueError as e:

@@ -145,7 +145,7 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
     lora_config = LoRAConfig(r=args.rank, alpha=args.alpha, dropout=args.dropout, target_modules=TARGET_MODULES,
                              lora_dtype=torch.float32)
     try:
-        model = from_pretrained(args.model, lora_config, mesh=mesh, device=device, seed=args.seed,
+        model = from_pretrained(args.checked_model, lora_config, mesh=mesh, device=device, seed=args.seed,
                                 verbose=dist.get_rank() == 0)
     except ValueError as e:  # tensors the checkpoint lacks, or of other shapes than its config.json gives
         faults.refuse(f"--model: {e}")

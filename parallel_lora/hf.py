@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,19 @@ def _arch(config: Any) -> str:
     return ",".join(getattr(config, "architectures", None) or []) or getattr(config, "model_type", "this model")
 
 
-def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool = True) -> Any:
-    """Check a local checkpoint directory for loading at tensor-parallel size ``tp``; return its config.
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """What ``check_checkpoint`` read from a checkpoint directory; ``from_pretrained`` takes it for the path and
+    reads neither again."""
+
+    path: Path
+    config: Any  # the transformers config (``config.json``)
+    files: dict[str, Path]  # tensor key -> its safetensors file (``hf_loading.checkpoint_files``)
+    tp: int  # the tensor-parallel size it was checked for
+
+
+def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool = True) -> CheckedCheckpoint:
+    """Check a local checkpoint directory for loading at tensor-parallel size ``tp``; return its config and files.
 
     Reads ``config.json`` and the safetensors headers only. Raises ``ValueError`` naming the problem: a missing
     directory, ``config.json``, tokenizer (when ``require_tokenizer``) or safetensors weights, and what
@@ -89,13 +101,13 @@ def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool =
     if require_tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise ValueError(f"{folder} has no tokenizer: expected one of {list(TOKENIZER_FILES)} "
                          "(save it there with tokenizer.save_pretrained)")
-    checkpoint_files(folder)
+    files = checkpoint_files(folder)
     try:
         config = _transformers().AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read {folder / CONFIG_FILE}: {e}") from e
     check_tp(config, tp)
-    return config
+    return CheckedCheckpoint(folder, config, files, tp)
 
 
 def check_tp(config: Any, tp: int) -> None:
@@ -241,7 +253,7 @@ def _tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 def from_pretrained(
-    path: str | Path,
+    path: str | Path | CheckedCheckpoint,
     lora_config: LoRAConfig | Sequence[LoRAConfig],
     *,
     mesh: DeviceMesh | None = None,
@@ -251,7 +263,8 @@ def from_pretrained(
     require_tokenizer: bool = True,
     verbose: bool = False,
 ) -> nn.Module:
-    """A transformers causal LM from the checkpoint directory ``path``, with LoRA adapters, split over ``mesh``.
+    """A transformers causal LM from the checkpoint directory ``path`` (or what ``check_checkpoint`` returned for it),
+    with LoRA adapters, split over ``mesh``.
 
     ``mesh``: the tensor-parallel mesh (1-D, or a mesh with a ``"tp"`` dim, e.g. a ``(dp, tp)`` one), or ``None``
     for one device; at one rank the layers stay single-device ``LoRALinear``s. The base is ``dtype`` (bf16 by
@@ -268,15 +281,17 @@ def from_pretrained(
     transformers = _transformers()
     mesh = _tp_mesh(mesh)
     tp = mesh.size() if mesh is not None else 1
-    config = check_checkpoint(path, tp, require_tokenizer=require_tokenizer)
-    files = checkpoint_files(path)
+    checked = path if isinstance(path, CheckedCheckpoint) and path.tp == tp else None
+    if checked is None:
+        folder = path.path if isinstance(path, CheckedCheckpoint) else path
+        checked = check_checkpoint(folder, tp, require_tokenizer=require_tokenizer)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(checked.config, dtype=dtype)
     for one in [lora_config] if isinstance(lora_config, LoRAConfig) else lora_config:
         apply_lora(model, one, verbose=verbose)
     if tp > 1:  # at tp = 1 the layers stay single-device LoRALinears: nothing to split, no plan needed
         parallelize(model, mesh)
-    load_plan = plan_load(model, files)  # every key and shape checked, still nothing read
+    load_plan = plan_load(model, checked.files)  # every key and shape checked, still nothing read
 
     if device is None:
         device = rank_device(mesh) if mesh is not None else torch.device("cpu")

@@ -186,6 +186,22 @@ def test_tied_embeddings_stay_one_vocab_parallel_tensor(checkpoints):
     _dist.run_ranks(TP, _tied_embeddings_stay_tied, checkpoints["qwen2"])
 
 
+def test_from_pretrained_reads_the_config_and_file_headers_once(checkpoints, monkeypatch):
+    import parallel_lora.hf as hf
+
+    reads = []
+    files, config = hf.checkpoint_files, transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(hf, "checkpoint_files", lambda *a, **k: reads.append("headers") or files(*a, **k))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: reads.append("config") or
+                        config(*a, **k))
+    from_pretrained(checkpoints["llama"], CONFIG, dtype=torch.float32)
+    assert sorted(reads) == ["config", "headers"]
+    reads.clear()
+    checked = check_checkpoint(checkpoints["llama"])  # what a launcher checks before start-up
+    model = from_pretrained(checked, CONFIG, dtype=torch.float32)
+    assert sorted(reads) == ["config", "headers"] and model.load_report.bytes_read > 0
+
+
 def test_adapters_do_not_depend_on_the_tp_size_or_the_replica(checkpoints):
     def full_A(model):
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()
