@@ -120,7 +120,7 @@ def test_tp_that_does_not_split_the_heads_is_refused_naming_the_preset(capsys, m
 
 
 def test_a_bad_flag_under_torchrun_prints_one_error_and_starts_nothing(tmp_path):
-    # --max-grad-norm -1 used to train backwards (clipping scaled the gradients by a negative factor).
+    # --max-grad-norm -1 would train backwards (clipping would scale the gradients by a negative factor).
     out = tmp_path / "run"
     code, output, _ = _Job(out, *TINY, "--steps", "2", "--max-grad-norm", "-1").finish(120)
     assert code != 0

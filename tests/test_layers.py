@@ -435,8 +435,8 @@ def _save_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_selective_checkpointing_that_saves_matmuls_reruns_the_forward_dropout_mask(backend):
-    # The eager path used to add the LoRA term into F.linear's output in place, which a selective checkpoint
-    # that cached that output refused ("Tensor cached during selective activation checkpoint has been mutated").
+    # The eager path must not add the LoRA term into F.linear's output in place: a selective checkpoint that caches
+    # that output refuses it ("Tensor cached during selective activation checkpoint has been mutated").
     cfg = LoRAConfig(r=4, alpha=8, dropout=0.5, backend=backend)
     model, x = _two_lora_layers(cfg, nn.GELU(), (16, 12, 8), "cpu")
     context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
