@@ -223,11 +223,13 @@ def layer_rows(shape, dropout: float, adapter_dtype: str, times: dict, held: dic
 
 def measure(shape, dropout: float, adapter_dtype: torch.dtype, time_one, rounds: int, graph: bool,
             wanted: set[str] | None, old: ModuleType | None) -> list[dict]:  # fmt: skip
-    """The rows of one shape, dropout and adapter dtype (``wanted``: a subset of implementations, base always)."""
+    """The rows of one shape, dropout and adapter dtype (``wanted``: a subset of implementations; the base, and with
+    ``old`` the other tree's layer, always: an A/B run must not lose its B to the subset)."""
     M, K, N, r = shape
     torch.manual_seed(0)
     impls, (W, A, B, s) = make_impls(K, N, r, dropout, adapter_dtype, old)
-    impls = {name: f for name, f in impls.items() if name == "base" or not wanted or name in wanted}
+    always = ("base", "parallel_lora_old")
+    impls = {name: f for name, f in impls.items() if name in always or not wanted or name in wanted}
     x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
     errs = validate(impls, x, W, A, B, s) if dropout == 0 else {}

@@ -87,6 +87,9 @@ def test_layer_measures_every_implementation_against_the_base_and_another_tree(m
         assert KEYS <= set(r) and r["adapter_dtype"] == "float32" and r["fwd_ratio"] == 1.0
         assert r["impl"] == "base" or r["rel_err"] < 2e-2
     assert layer.new_over_old(rows)[0]["fwdbwd"] == 1.0
+    # --impls parallel_lora with --old still measures the other tree: the A/B is what --old asks for.
+    rows = layer.measure((64, 64, 64, 8), 0.0, torch.float32, time_one, 1, False, {"parallel_lora"}, old)
+    assert {r["impl"] for r in rows} == {"base", "parallel_lora", "parallel_lora_old"}
 
 
 def test_layer_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
