@@ -3,25 +3,31 @@ and against PEFT, side by side in one process on the same data (needs CUDA).
 
     python -m benchmarks.model                          # 4 decoder layers at Llama-3-8B's dimensions, 8192 tokens
     python -m benchmarks.model --layers 8 --vocab 128256 --batch 2 --seq-len 4096
+    python -m benchmarks.model --compile                # also each case's decoder layers under torch.compile
     python -m benchmarks.model --smoke --out /tmp/model.json   # a tiny model on the CPU: the flow, no timings to read
 
 The model is ``LlamaForCausalLM`` with random weights (hidden 4096, intermediate 14336, 32 heads / 8 key-value
 heads of 128, vocab 32000 by default), bf16 base, SDPA attention, causal-LM loss on random tokens. The cases:
 
 - ``frozen``                  forward+backward of the model with nothing to train. Its backward runs from the loss
-                              down to the first layer's q, k and v outputs (marked as requiring grad by forward
-                              hooks): the depth LoRA's gradients reach, the base's share of a LoRA step's backward.
+                              down to the first layer's q, k and v outputs, the depth LoRA's gradients reach: the
+                              base's share of a LoRA step's backward. A forward hook adds a trainable zero scalar to
+                              each of those outputs (a hook that calls ``requires_grad_`` cannot be compiled); it
+                              costs three elementwise passes and three sums, ~0.2% of the step.
 - ``peft_fp32``               PEFT as shipped: ``LoraConfig(r=16, lora_alpha=32)`` on the seven projections, fp32
                               adapters (``autocast_adapter_dtype=True``), AdamW on the adapters.
 - ``peft_bf16``               the same with bf16 adapters (``autocast_adapter_dtype=False``).
 - ``parallel_lora_fp32``      ``apply_lora`` with ``LoRAConfig(r=16, alpha=32, lora_dtype=torch.float32)``, AdamW.
 - ``parallel_lora_bf16``      the same with bf16 adapters.
 - ``parallel_lora_autocast``  fp32 adapters, forward under ``torch.autocast("cuda", torch.bfloat16)``.
+- with ``--compile``, ``frozen_compiled`` and ``parallel_lora_fp32_compiled``: those cases with every decoder layer
+  compiled as torchtitan does, ``layer.compile(fullgraph=True)`` (Inductor); their ``ratio_to_frozen`` is taken to
+  ``frozen_compiled``, and ``ratio_to_eager`` to the same case uncompiled.
 
 Every case wraps the same base weights (one copy on the GPU, shared) with the same adapters: A and B drawn once
 (B non-zero, so the adapters change the logits). Before timing, each LoRA case's step-0 loss, logits and adapter
-gradients are checked against PEFT's with the same adapter dtype (autocast against PEFT fp32), and the adapters
-must move the logits well beyond that tolerance.
+gradients are checked against PEFT's with the same adapter dtype (autocast and compiled against PEFT fp32), and the
+adapters must move the logits well beyond that tolerance.
 
 A step is forward, backward, ``AdamW.step`` and ``zero_grad``. After warm-up steps (Triton's tuning, the
 optimizer's state), every case is timed once per round in interleaved rounds, steps back to back between CUDA
@@ -63,6 +69,8 @@ IMPLS = ("frozen", "peft_fp32", "peft_bf16", "parallel_lora_fp32", "parallel_lor
 # Each of ours against PEFT with the same adapter dtype; autocast runs fp32 adapters.
 PAIRS = (("parallel_lora_fp32", "peft_fp32"), ("parallel_lora_bf16", "peft_bf16"),
          ("parallel_lora_autocast", "peft_fp32"))  # fmt: skip
+COMPILED = ("frozen_compiled", "parallel_lora_fp32_compiled")  # --compile: these cases' layers compiled
+COMPILED_PAIR = ("parallel_lora_fp32_compiled", "peft_fp32")
 # Model-step targets of docs/design.md, "Numbers": (measure, case, baseline, most allowed).
 TARGETS = (("step / frozen", "parallel_lora_fp32", "frozen", 1.08),
            ("step / peft_fp32", "parallel_lora_fp32", "peft_fp32", 0.75))  # fmt: skip
@@ -106,16 +114,25 @@ def shell(base: nn.Module) -> nn.Module:
 
 
 def reach_first_layer(model: nn.Module) -> None:
-    """Make the frozen model's backward run as deep as LoRA's: the first layer's q, k and v outputs require grad
-    (LoRA's gradients need them; nothing below them is trained)."""
+    """Make the frozen model's backward run as deep as LoRA's: the first layer's q, k and v outputs get a trainable
+    zero added (LoRA's gradients need those outputs' gradients; nothing below them is trained). A parameter, not
+    ``requires_grad_`` on the output, so that a compiled layer traces it."""
+    zero = nn.Parameter(torch.zeros((), dtype=model.dtype, device=model.device))
+    model.register_parameter("depth_marker", zero)
 
-    def require_grad(module, inputs, output):
-        if torch.is_grad_enabled():
-            output.requires_grad_()
+    def mark(module, inputs, output):
+        return output + zero
 
     attn = model.model.layers[0].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
-        getattr(attn, name).register_forward_hook(require_grad)
+        getattr(attn, name).register_forward_hook(mark)
+
+
+def compile_layers(model: nn.Module) -> nn.Module:
+    """Compile each decoder layer of ``model`` in place with ``fullgraph=True`` (a graph break is an error)."""
+    for layer in model.model.layers:
+        layer.compile(fullgraph=True)
+    return model
 
 
 def adapter_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
@@ -132,8 +149,9 @@ def adapter_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parame
     return factors
 
 
-def build_cases(base: nn.Module, r: int, alpha: float, backend: str) -> dict[str, Case]:
-    """Every case of ``IMPLS`` over ``base``'s weights, its adapters at their libraries' initial values."""
+def build_cases(base: nn.Module, r: int, alpha: float, backend: str, compiled: bool = False) -> dict[str, Case]:
+    """Every case of ``IMPLS`` (and ``COMPILED`` if ``compiled``) over ``base``'s weights, its adapters at their
+    libraries' initial values."""
     import peft
 
     def peft_case(autocast_adapter_dtype: bool) -> Case:
@@ -146,15 +164,24 @@ def build_cases(base: nn.Module, r: int, alpha: float, backend: str) -> dict[str
         model = apply_lora(shell(base), config, verbose=False)
         return Case(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), autocast)
 
-    frozen = shell(base)
-    for p in frozen.parameters():
-        p.requires_grad_(False)
-    reach_first_layer(frozen)
-    return {
-        "frozen": Case(frozen, None), "peft_fp32": peft_case(True), "peft_bf16": peft_case(False),
+    def frozen() -> Case:
+        model = shell(base)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        reach_first_layer(model)
+        return Case(model, None)
+
+    cases = {
+        "frozen": frozen(), "peft_fp32": peft_case(True), "peft_bf16": peft_case(False),
         "parallel_lora_fp32": ours(torch.float32), "parallel_lora_bf16": ours(torch.bfloat16),
         "parallel_lora_autocast": ours(torch.float32, autocast=True),
     }  # fmt: skip
+    if compiled:
+        cases["frozen_compiled"] = frozen()
+        cases["parallel_lora_fp32_compiled"] = ours(torch.float32)
+        for name in COMPILED:
+            compile_layers(cases[name].model)
+    return cases
 
 
 def set_adapters(cases: dict[str, Case], alpha: float, seed: int) -> int:
@@ -225,7 +252,7 @@ def validate(cases: dict[str, Case], ids: torch.Tensor) -> dict:
     firsts = {name: first_step(case, ids) for name, case in cases.items()}
     effect = rel_err(firsts["peft_fp32"][1], firsts["frozen"][1])
     pairs = []
-    for ours, peft_name in PAIRS:
+    for ours, peft_name in PAIRS + ((COMPILED_PAIR,) if COMPILED_PAIR[0] in cases else ()):
         (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = firsts[ours], firsts[peft_name]
         if sorted(grads) != sorted(ref_grads):
             raise RuntimeError(f"{ours} and {peft_name} train different adapters")
@@ -282,14 +309,20 @@ def wall_ms(fn: Callable[[], object]) -> float:
 
 
 def model_rows(times: dict[str, list[float]], tokens: int, peaks: dict[str, float | None]) -> list[dict]:
-    """One row per case from its per-round step times (ms), each ratio taken to the frozen step of its round."""
+    """One row per case from its per-round step times (ms), each ratio taken to the frozen step of its round (the
+    compiled frozen step for a compiled case, which also gets ``ratio_to_eager``: to itself uncompiled)."""
     rows = []
     for impl, ms in times.items():
         step_ms = statistics.median(ms)
-        rows.append({
-            "impl": impl, "step_ms": step_ms, "ratio_to_frozen": ratio_over_rounds(ms, times["frozen"]),
+        compiled = impl in COMPILED
+        row = {
+            "impl": impl, "step_ms": step_ms,
+            "ratio_to_frozen": ratio_over_rounds(ms, times["frozen_compiled" if compiled else "frozen"]),
             "peak_gib": peaks.get(impl), "tokens_per_s": tokens / step_ms * 1e3, "step_ms_rounds": ms,
-        })  # fmt: skip
+        }  # fmt: skip
+        if compiled:
+            row["ratio_to_eager"] = ratio_over_rounds(ms, times[impl.removesuffix("_compiled")])
+        rows.append(row)
     return rows
 
 
@@ -306,7 +339,7 @@ def run(args: argparse.Namespace) -> dict:
     """Build, validate, warm up and time every case; print the table and targets. Returns what is written."""
     device = "cpu" if args.smoke else "cuda"
     base = build_base(args, device)
-    cases = build_cases(base, args.r, args.alpha, backend="torch" if args.smoke else "triton")
+    cases = build_cases(base, args.r, args.alpha, backend="torch" if args.smoke else "triton", compiled=args.compile)
     adapted = set_adapters(cases, args.alpha, args.seed)
     ids = torch.randint(args.vocab, (args.batch, args.seq_len), device=device)
     validation = validate(cases, ids)
@@ -328,17 +361,18 @@ def run(args: argparse.Namespace) -> dict:
     times = time_in_rounds(steps, args.rounds, time_one)
     rows = model_rows(times, args.batch * args.seq_len, peaks)
     targets = target_checks(times)
-    print(f"\n{'impl':>22} {'step_ms':>9} {'x frozen':>8} {'tokens/s':>9} {'peak_GiB':>8}")
+    print(f"\n{'impl':>27} {'step_ms':>9} {'x frozen':>8} {'x eager':>7} {'tokens/s':>9} {'peak_GiB':>8}")
     for row in rows:
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
-        print(f"{row['impl']:>22} {row['step_ms']:9.2f} {row['ratio_to_frozen']:8.3f} {row['tokens_per_s']:9.0f} "
-              f"{peak:>8}")  # fmt: skip
+        eager = f"{row['ratio_to_eager']:.3f}" if "ratio_to_eager" in row else "-"
+        print(f"{row['impl']:>27} {row['step_ms']:9.2f} {row['ratio_to_frozen']:8.3f} {eager:>7} "
+              f"{row['tokens_per_s']:9.0f} {peak:>8}")  # fmt: skip
     print("\nmodel-step targets of docs/design.md")
     for t in targets:
         print(f"{t['impl']:>22} {t['measure']:>17} {t['value']:6.3f} <= {t['target']:.2f} "
               f"{'met' if t['met'] else 'NOT met'}")  # fmt: skip
     dims = {k: getattr(args, k) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
-                                          "layers", "batch", "seq_len", "r", "alpha")}  # fmt: skip
+                                          "layers", "batch", "seq_len", "r", "alpha", "compile")}  # fmt: skip
     command = module_command("benchmarks.model")
     meta = ({"command": command, "timing": timing, "device": "cpu", "torch": torch.__version__, "model": dims}
             if args.smoke else run_meta(command, timing, model=dims))  # fmt: skip
@@ -361,6 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):  # fmt: skip
         parser.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, adapters and tokens")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time frozen and parallel_lora_fp32 with each decoder layer compiled",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, one step per case: the flow")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/model_<gpu>.json; "
                                                   "--smoke writes only with --out)")  # fmt: skip

@@ -26,18 +26,20 @@ def tiny_cases():
 
 def test_model_smoke_run_writes_every_case_checked_against_peft(tmp_path):
     out = tmp_path / "model.json"
-    model.main(["--smoke", "--out", str(out)])
+    model.main(["--smoke", "--compile", "--out", str(out)])  # Inductor on the CPU: every layer traced whole
     data = json.loads(out.read_text())
     rows = {row["impl"]: row for row in data["rows"]}
-    assert set(rows) == set(model.IMPLS) and all(KEYS <= set(row) for row in rows.values())
+    assert set(rows) == {*model.IMPLS, *model.COMPILED} and all(KEYS <= set(row) for row in rows.values())
     assert rows["frozen"]["ratio_to_frozen"] == 1.0 and rows["frozen"]["peak_gib"] is None  # no CUDA: no peak
+    assert rows["frozen_compiled"]["ratio_to_frozen"] == 1.0
+    assert {impl for impl, row in rows.items() if "ratio_to_eager" in row} == set(model.COMPILED)
     for row in rows.values():
         assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(32 / row["step_ms"] * 1e3)
     check = data["validation"]
     assert check["adapted_modules"] == 7 * 2  # seven projections in each of the two layers
     assert [(p["ours"], p["peft"]) for p in check["pairs"]] == [
         ("parallel_lora_fp32", "peft_fp32"), ("parallel_lora_bf16", "peft_bf16"),
-        ("parallel_lora_autocast", "peft_fp32"),
+        ("parallel_lora_autocast", "peft_fp32"), ("parallel_lora_fp32_compiled", "peft_fp32"),
     ]  # fmt: skip
     assert check["adapter_effect"] >= model.EFFECT_MIN  # B is not zero: the adapters change the logits
     assert all(p["logits_err"] <= model.LOGITS_TOL and p["grad_err"] <= model.GRAD_TOL for p in check["pairs"])
@@ -88,6 +90,24 @@ def test_model_rows_and_targets_take_each_ratio_in_its_round():
     assert checks["step / peft_fp32"]["value"] == pytest.approx(0.75) and checks["step / peft_fp32"]["met"]
     times["parallel_lora_fp32"][0] = 106.0  # 0.757, 0.75, 1.0: over 0.75
     assert not {c["measure"]: c for c in model.target_checks(times)}["step / peft_fp32"]["met"]
+
+
+def test_compiled_rows_take_their_ratios_to_the_compiled_frozen_step_and_to_themselves_eager():
+    times = {"frozen": [100.0, 100.0, 100.0], "parallel_lora_fp32": [110.0, 110.0, 110.0],
+             "frozen_compiled": [80.0, 80.0, 80.0], "parallel_lora_fp32_compiled": [84.0, 88.0, 84.0]}  # fmt: skip
+    rows = {r["impl"]: r for r in model.model_rows(times, 8192, {})}
+    ours = rows["parallel_lora_fp32_compiled"]
+    assert ours["ratio_to_frozen"] == pytest.approx(1.05) and ours["ratio_to_eager"] == pytest.approx(84 / 110)
+    assert rows["frozen_compiled"]["ratio_to_eager"] == pytest.approx(0.8)
+    assert "ratio_to_eager" not in rows["parallel_lora_fp32"]
+
+
+def test_frozen_backward_reaches_the_first_layers_qkv_outputs_and_no_deeper():
+    cases, ids = tiny_cases()
+    frozen = cases["frozen"].model
+    frozen(input_ids=ids, labels=ids).loss.backward()
+    assert frozen.depth_marker.grad is not None  # the q, k and v outputs got gradients
+    assert all(p.grad is None for name, p in frozen.named_parameters() if name != "depth_marker")
 
 
 def test_model_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
