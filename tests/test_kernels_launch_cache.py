@@ -188,3 +188,33 @@ def test_dispatch_bound_backward_still_checks_scale_and_dropout():
         kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, Dropout(p=0.0, seed="1"))  # never read, checked
     with pytest.raises(ValueError, match="dy must have shape"):  # another layout: checked at its first call
         kernels.backward(dy[:, :5], x, weight, lora_A, lora_B, s_lora, SCALE, None)
+
+
+def test_descriptor_launches_use_the_shared_workspace_whatever_allocator_is_set(monkeypatch):
+    # Inductor's launcher sets Triton's allocator to its own (a fresh tensor per launch). Our launches must still
+    # get the per-stream workspace, and leave the caller's allocator in place, also when the launch raises.
+    import triton
+    from triton.runtime._allocation import _allocator
+
+    from parallel_lora.kernels import workspace
+
+    scratch = torch.empty(8, dtype=torch.int8)
+    monkeypatch.setattr(workspace, "_descriptor_scratch", lambda size, alignment, stream: scratch)
+    foreign = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
+    got = []
+
+    def launch(fail: bool) -> None:
+        got.append(_allocator.get()(8, 128, None))  # what Triton asks for at a launch with descriptors
+        if fail:
+            raise RuntimeError("launch failed")
+
+    run = workspace.with_descriptor_scratch(launch)
+    before = _allocator.get()
+    try:
+        triton.set_allocator(foreign)
+        run(False)
+        with pytest.raises(RuntimeError, match="launch failed"):
+            run(True)
+        assert [t is scratch for t in got] == [True, True] and _allocator.get() is foreign
+    finally:
+        triton.set_allocator(before)

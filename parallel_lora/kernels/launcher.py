@@ -28,7 +28,7 @@ import triton
 
 from ..backend import interpreting
 from .tuning import launch_tuned
-from .workspace import ensure_allocator
+from .workspace import with_descriptor_scratch
 
 if TYPE_CHECKING:
     from triton.runtime.jit import JITFunction
@@ -51,7 +51,7 @@ class KernelSpec:
     dtype_arg: str  # a tensor argument whose element size and device stand for all operands
     interp: Mapping[str, int] = field(default_factory=dict, compare=False)  # the interpreter's one config
     # From the call's constexprs: whether the kernel builds device-side TMA descriptors, whose memory Triton
-    # asks its allocator for at every launch (``workspace.ensure_allocator``).
+    # asks its allocator for at every launch (``workspace.with_descriptor_scratch``).
     descriptors: Callable[[dict], bool] = _no_descriptors
 
     def __post_init__(self):
@@ -128,14 +128,6 @@ def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: 
             tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
 
 
-def _with_allocator(run: Callable) -> Callable:
-    def run_with_allocator(*args):
-        ensure_allocator()
-        run(*args)
-
-    return run_with_allocator
-
-
 def bind(
     spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple, runtime: tuple, build: Callable[[], tuple]
 ) -> Bound:
@@ -164,18 +156,17 @@ def bind(
         return bound
     static, grid, consts = build()
     descriptors = spec.descriptors(consts)
-    if descriptors:
-        ensure_allocator()
     args = (*tensors, *static, *runtime)
-    compiled, cfg = launch_tuned(spec, kernel, grid, args, consts)
+    tune = with_descriptor_scratch(launch_tuned) if descriptors else launch_tuned
+    compiled, cfg = tune(spec, kernel, grid, args, consts)
     if not isinstance(compiled, triton.compiler.CompiledKernel):
         # A Triton that hands back no compiled kernel: later calls of this Bound go through its own path.
         run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
-        return Bound(spec.name, _with_allocator(run) if descriptors else run, static, ())
+        return Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, ())
     meta = {**consts, **cfg.kwargs}
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = compiled[g]
-    bound = _BOUND[key] = Bound(spec.name, _with_allocator(run) if descriptors else run, static, tail)
+    bound = _BOUND[key] = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
     return bound

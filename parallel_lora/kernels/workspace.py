@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton
 from triton.runtime import driver
 
 PARTIALS: dict[tuple, torch.Tensor] = {}
@@ -67,11 +66,19 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return grown(DESCRIPTORS, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
 
 
-def ensure_allocator() -> None:
-    """Give Triton the per-stream descriptor workspace, unless the launching thread has an allocator already."""
-    # Triton keeps its allocator in a ContextVar: autograd's device threads start with the default (none),
-    # so the check runs at every launch, in the launching thread. A user's own allocator is left alone.
-    from triton.runtime import _allocation
+def with_descriptor_scratch(run: Callable) -> Callable:
+    """``run`` with Triton's allocator set to the per-stream descriptor workspace for the call, and the caller's
+    allocator (none, a user's, or another library's) back in place after it."""
+    # Triton keeps its allocator in a ContextVar, which anyone may set: Inductor's launcher sets one that
+    # allocates per launch, so a process that ran one compiled kernel would otherwise lose the shared workspace.
+    # Setting it per call also covers autograd's device threads, which start with none.
+    from triton.runtime._allocation import _allocator
 
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch)
+    def run_with_scratch(*args):
+        token = _allocator.set(_descriptor_scratch)
+        try:
+            return run(*args)
+        finally:
+            _allocator.reset(token)
+
+    return run_with_scratch
