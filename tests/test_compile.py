@@ -30,6 +30,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
 import parallel_lora.comm
+import parallel_lora.dropout
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear, no_sync
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -99,6 +100,36 @@ def test_compiled_lora_mlp_traces_whole_and_matches_eager(backend):
     assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
 
 
+def _record_seeds(monkeypatch) -> list[tuple[bool, int]]:
+    """Each seed drawn at run time (not while tracing), with whether the draw ran in a backward pass."""
+    seeds = []
+    draw = parallel_lora.dropout.draw_seed
+
+    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        seed = draw(like, offset)
+        if not torch.compiler.is_compiling():
+            seeds.append((torch._C._current_graph_task_id() != -1, int(seed.item())))
+        return seed
+
+    monkeypatch.setattr(parallel_lora.dropout, "draw_seed", recording)
+    return seeds
+
+
+def _mlp_under_seeds(model: nn.Sequential, x: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """``model``'s eager forward with its dropout layers' seeds given, in order."""
+    seeds = iter(seeds)
+    for layer in model:
+        if not isinstance(layer, LoRALinear):
+            x = layer(x)
+            continue
+        cfg = layer.config
+        seed = torch.tensor([next(seeds)], device=x.device) if cfg.dropout else None
+        x = lora_linear(x, layer.weight, layer.bias, layer.lora_A.weight, layer.lora_B.weight, layer.scale,
+                        cfg.dropout, training=True, backend=cfg.backend, dropout_position=cfg.dropout_position,
+                        dropout_seed=seed)  # fmt: skip
+    return x
+
+
 @pytest.mark.parametrize(
     "device,backend,compiler",
     [
@@ -107,18 +138,34 @@ def test_compiled_lora_mlp_traces_whole_and_matches_eager(backend):
         pytest.param("cuda", "auto", "inductor", marks=[pytest.mark.gpu, needs_cuda]),
     ],
 )
-def test_compiled_checkpoint_reruns_the_forward_masks(device, backend, compiler):
-    # The compiled checkpointed region is recomputed in backward from the functionalized graph. The seed draw is a
-    # random op to AOTAutograd, replayed there with the forward's generator state: the recompute gets the
-    # forward's masks, and the compiled step equals an eager step without checkpointing.
+def test_compiled_checkpoint_reruns_the_forward_seeds(device, backend, compiler, monkeypatch):
+    # The compiled checkpointed region is recomputed in backward. The seed draw is a random op to AOTAutograd,
+    # which replays it there under the forward's generator state: the recompute draws the forward's seeds, and
+    # the step equals an eager step under them. On the CPU those are the eager path's own seeds (the default
+    # generator's); on CUDA AOTAutograd's graph-safe replay draws from generators of its own, seeded from the CPU
+    # generator at the first call, as it does for every random op it recomputes.
     model = _mlp(backend, device)
     x = torch.randn(12, 16, device=device)
+    seeds = _record_seeds(monkeypatch)
     compiled = torch.compile(lambda x: checkpoint(model, x, use_reentrant=False), fullgraph=True, backend=compiler)
-    pairs = _steps_as_eager(model, model, x, steps=2, run=compiled)
-    for step, (want, got) in enumerate(pairs):
+    drawn = []
+    for step in range(2):
+        state = _rng_state(x.device)
+        seeds.clear()
+        got = _step(model, x, run=compiled)
+        forward = [seed for in_backward, seed in seeds if not in_backward]
+        rerun = [seed for in_backward, seed in seeds if in_backward]
+        assert len(set(forward)) == 2, f"step {step}: the two dropout layers drew {forward}"
+        assert rerun == forward, f"step {step}: the recompute drew {rerun}, the forward {forward}"
+        want = _step(model, x, run=lambda x, forward=forward: _mlp_under_seeds(model, x, forward))
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager"
-    assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
+            assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager under the same seeds"
+        if device == "cpu":
+            _set_rng_state(state, x.device)
+            eager = _step(model, x)
+            assert all(torch.equal(g, w) for g, w in zip(got, eager, strict=True)), f"step {step}: not eager's seeds"
+        drawn.append(forward)
+    assert not set(drawn[0]) & set(drawn[1]), "the second step reused the first step's seeds"
 
 
 def test_registered_ops_pass_opcheck():
@@ -321,6 +368,8 @@ def test_gpu_inductor_block_matches_eager():
     # masks; only the fused norms and residuals round differently.
     torch.manual_seed(0)
     block = _Block(256, LoRAConfig(r=16, alpha=32, dropout=0.1, lora_dtype=F32)).train()
+    block.norm1.requires_grad_(False)  # a LoRA fine-tune trains the adapters alone
+    block.norm2.requires_grad_(False)
     for layer in (block.qkv, block.out, block.up, block.down):
         nn.init.normal_(layer.lora_B.weight, std=0.02)
     x = torch.randn(4, 128, 256, device="cuda", dtype=BF16)
@@ -328,10 +377,10 @@ def test_gpu_inductor_block_matches_eager():
     pairs = _steps_as_eager(block, compiled, x, steps=3)
     for step, (want, got) in enumerate(pairs):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            scale = w.float().abs().max().item()
-            what = f"step {step}, output/grad {i}"
-            torch.testing.assert_close(g.float(), w.float(), atol=2e-2 * scale, rtol=2e-2,
-                                       msg=lambda m, what=what: f"{what}: {m}")  # fmt: skip
+            # Norm-wise: the gradients sum bf16 terms over 512 tokens, which cancel element by element. Another
+            # mask would move the adapter gradients by tens of percent.
+            err = ((g.float() - w.float()).norm() / w.float().norm()).item()
+            assert err < 2e-2, f"step {step}, output/grad {i}: relative error {err:.3g}"
     assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
 
 

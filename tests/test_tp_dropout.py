@@ -3,6 +3,7 @@ generator, and activation checkpointing (eager, selective, compiled) reruns the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import _dist
@@ -31,9 +32,9 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
+import parallel_lora.dropout
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
 from parallel_lora.dropout import Dropout, keep_mask
 
@@ -184,9 +185,42 @@ def _set_rng_state(state: torch.Tensor) -> None:
     (torch.cuda.set_rng_state if _dist.device_type() == "cuda" else torch.set_rng_state)(state)
 
 
+@contextlib.contextmanager
+def _recording_seeds():
+    """Yields a list that collects every seed drawn at run time (not while tracing), in order, with whether the draw
+    ran in a backward pass."""
+    seeds, draw = [], parallel_lora.dropout.draw_seed
+
+    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        seed = draw(like, offset)
+        if not torch.compiler.is_compiling():
+            seeds.append((torch._C._current_graph_task_id() != -1, seed.clone()))
+        return seed
+
+    parallel_lora.dropout.draw_seed = recording
+    try:
+        yield seeds
+    finally:
+        parallel_lora.dropout.draw_seed = draw
+
+
+@contextlib.contextmanager
+def _given_seeds(layers, seeds: list[torch.Tensor]):
+    """The layers' eager forwards take ``seeds``, in order, instead of drawing."""
+    given = iter(seeds)
+    for m in layers:
+        m._dropout_stream.next_seed = lambda x: next(given)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m._dropout_stream.next_seed
+
+
 def _mlp_step_matches_eager(region: str, sp: bool) -> None:
-    """One dropout step of ``row(gelu(col(x)))`` run through ``region`` gives the plain eager step's output and
-    gradients bit for bit, given the same forward seeds."""
+    """Two dropout steps of ``row(gelu(col(x)))`` run through ``region`` give the plain eager steps' outputs and
+    gradients bit for bit under the seeds the region's forwards drew, and (but for CUDA's graph-safe replay) draw
+    what the plain steps draw."""
     col, row, _, _ = tp_pair(F32, sp, dropout=0.4)
     for m in (col, row):
         m.train()
@@ -197,8 +231,10 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     def mlp(x: torch.Tensor) -> torch.Tensor:
         return row(F.gelu(col(x)))
 
-    def compiled(context_fn=noop_context_fn):
-        run = lambda x: checkpoint(mlp, x, use_reentrant=False, context_fn=context_fn)  # noqa: E731
+    def compiled(context_fn=None):
+        # Dynamo cannot trace checkpoint's context_fn when it is the default, noop_context_fn: leave it out.
+        kwargs = {} if context_fn is None else {"context_fn": context_fn}
+        run = lambda x: checkpoint(mlp, x, use_reentrant=False, **kwargs)  # noqa: E731
         return torch.compile(run, fullgraph=True, backend="aot_eager")
 
     # Reruns and recomputes must draw the forward's masks.
@@ -209,6 +245,9 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
         "torch.compile of a checkpoint": compiled(),
         "torch.compile of a checkpoint saving the seeds": compiled(_save_dropout_seeds_context),
     }
+    # On CUDA, AOTAutograd recomputes a random op from generators of its own (graph-safe), seeded from the CPU
+    # generator: the seeds are not the eager path's, and the device generator does not advance.
+    graph_safe = region == "torch.compile of a checkpoint" and device.type == "cuda"
 
     def step(run) -> list[torch.Tensor]:
         for m in (col, row):
@@ -220,15 +259,24 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
 
     # Two steps each: a compiled graph that baked in one call's seed would reuse its masks in the next.
     rng = _rng_state()
-    want = [step(mlp), step(mlp)]
+    plain = [step(mlp), step(mlp)]
     after = _rng_state()
     _set_rng_state(rng)  # the same forward seeds again
-    got = [step(regions[region]), step(regions[region])]
+    got, drawn = [], []
+    with _recording_seeds() as seeds:
+        for _ in range(2):
+            seeds.clear()
+            got.append(step(regions[region]))
+            drawn.append([seed for in_backward, seed in seeds if not in_backward])
+    if not graph_safe:
+        assert torch.equal(_rng_state(), after), f"{region} drew other random numbers than the plain steps"
+    with _given_seeds((col, row), drawn[0] + drawn[1]):
+        want = [step(mlp), step(mlp)]
     names = ["y", "x.grad", *(n for n, _ in adapters(col, row))]
     for i in range(2):
-        for name, g, w in zip(names, got[i], want[i], strict=True):
+        for name, g, w, p in zip(names, got[i], want[i], plain[i], strict=True):
             assert torch.equal(g, w), f"tp={tp} rank {rank}: step {i}: {name} differs under {region}"
-    assert torch.equal(_rng_state(), after), f"{region} drew other random numbers than the plain steps"
+            assert graph_safe or torch.equal(w, p), f"step {i}: {name}: {region} drew other seeds than eager"
     # The check can fail: the second step draws other masks, and its adapter gradients differ.
     assert not torch.equal(want[0][-1], want[1][-1])
 
@@ -244,17 +292,15 @@ def test_torch_compile_of_a_selective_checkpoint_saving_the_seeds_reruns_the_for
     _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint saving the seeds", sp)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="torch 2.13 on the CPU: AOTAutograd saves the replayed generator state after the DTensor gradients' mesh",
-)  # fmt: skip
 def test_torch_compile_of_a_checkpoint_with_dropout_fails_on_the_cpu_in_torch():
-    # When this passes, torch has fixed it: drop the seed-saving policy from the CPU tests and the docs' note.
-    _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint", False)
+    # torch 2.13 on the CPU: AOTAutograd saves the replayed generator state after the DTensor gradients' mesh.
+    # When this fails, torch has fixed it: drop the seed-saving policy from the CPU tests and the docs' note.
+    with pytest.raises(AssertionError, match="expected all tensors_saved_with_vc_check to be Tensors"):
+        _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint", False)
 
 
 @gpu
 @SP
 def test_gpu_nccl_torch_compile_of_a_checkpointed_tp_mlp_reruns_the_forward_dropout_masks(sp):
-    """On CUDA, AOTAutograd replays the seed draw from graph-safe generator states: plain checkpointing works."""
+    """On CUDA, AOTAutograd replays the seed draw from graph-safe generators: plain checkpointing works."""
     _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint", sp, backend="nccl")
