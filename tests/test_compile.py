@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections import Counter
 
 import _dist
@@ -156,7 +157,7 @@ def test_compiled_checkpoint_reruns_the_forward_seeds(device, backend, compiler,
         forward = [seed for in_backward, seed in seeds if not in_backward]
         rerun = [seed for in_backward, seed in seeds if in_backward]
         assert len(set(forward)) == 2, f"step {step}: the two dropout layers drew {forward}"
-        assert rerun == forward, f"step {step}: the recompute drew {rerun}, the forward {forward}"
+        assert sorted(rerun) == sorted(forward), f"step {step}: the recompute drew {rerun}, the forward {forward}"
         want = _step(model, x, run=lambda x, forward=forward: _mlp_under_seeds(model, x, forward))
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager under the same seeds"
@@ -348,9 +349,9 @@ def test_compiled_no_sync_reduces_once_per_step_like_eager():
 class _Block(nn.Module):
     """Pre-norm attention (one head, causal) and a ReLU MLP, every projection a LoRALinear."""
 
-    def __init__(self, d: int, config: LoRAConfig) -> None:
+    def __init__(self, d: int, config: LoRAConfig, dtype: torch.dtype = BF16) -> None:
         super().__init__()
-        kw = {"dtype": BF16, "device": "cuda"}
+        kw = {"dtype": dtype, "device": "cuda"}
         self.norm1, self.norm2 = nn.LayerNorm(d, **kw), nn.LayerNorm(d, **kw)
         self.qkv, self.out = LoRALinear(d, 3 * d, config, **kw), LoRALinear(d, d, config, **kw)
         self.up, self.down = LoRALinear(d, 4 * d, config, **kw), LoRALinear(4 * d, d, config, **kw)
@@ -365,23 +366,43 @@ class _Block(nn.Module):
 @needs_cuda
 def test_gpu_inductor_block_matches_eager():
     # bf16 base, fp32 adapters, dropout 0.1: the fused op inside Inductor's graph draws and applies the eager
-    # masks; only the fused norms and residuals round differently.
+    # masks. Inductor fuses the norms and residuals and rounds differently, and the gradients sum bf16 terms over
+    # 512 tokens that largely cancel: each output and gradient must be as close to an fp32 reference under the
+    # same masks (the torch backend) as eager's is. Another mask would put the adapter gradients tens of percent
+    # off.
     torch.manual_seed(0)
-    block = _Block(256, LoRAConfig(r=16, alpha=32, dropout=0.1, lora_dtype=F32)).train()
+    config = LoRAConfig(r=16, alpha=32, dropout=0.1, lora_dtype=F32)
+    block = _Block(256, config).train()
     block.norm1.requires_grad_(False)  # a LoRA fine-tune trains the adapters alone
     block.norm2.requires_grad_(False)
     for layer in (block.qkv, block.out, block.up, block.down):
         nn.init.normal_(layer.lora_B.weight, std=0.02)
+    reference = _Block(256, dataclasses.replace(config, backend="torch"), dtype=F32).train()
+    reference.load_state_dict(block.state_dict())
+    reference.requires_grad_(False)
+    for layer in (reference.qkv, reference.out, reference.up, reference.down):
+        layer.lora_A.weight.requires_grad_(True)
+        layer.lora_B.weight.requires_grad_(True)
     x = torch.randn(4, 128, 256, device="cuda", dtype=BF16)
     compiled = torch.compile(copy.deepcopy(block), fullgraph=True)
-    pairs = _steps_as_eager(block, compiled, x, steps=3)
-    for step, (want, got) in enumerate(pairs):
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            # Norm-wise: the gradients sum bf16 terms over 512 tokens, which cancel element by element. Another
-            # mask would move the adapter gradients by tens of percent.
-            err = ((g.float() - w.float()).norm() / w.float().norm()).item()
-            assert err < 2e-2, f"step {step}, output/grad {i}: relative error {err:.3g}"
-    assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
+
+    def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    outputs = []
+    for step in range(3):
+        state = _rng_state(x.device)
+        ref = _step(reference, x.float())
+        _set_rng_state(state, x.device)
+        eager = _step(block, x)
+        _set_rng_state(state, x.device)
+        got = _step(compiled, x)
+        for i, (g, e, r) in enumerate(zip(got, eager, ref, strict=True)):
+            err, eager_err = rel_err(g, r), rel_err(e, r)
+            assert eager_err < 0.1, f"step {step}, output/grad {i}: eager is {eager_err:.3g} off the reference"
+            assert err <= 2 * eager_err + 1e-3, f"step {step}, output/grad {i}: {err:.3g} off, eager {eager_err:.3g}"
+        outputs.append(got[0])
+    assert not torch.equal(outputs[0], outputs[1]), "the second step reused the first step's masks"
 
 
 @pytest.mark.gpu
