@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         peaks = step_peaks_gib(cases, steps, base)
         time_one = lambda fn: back_to_back_ms(fn, args.calls, args.batches)  # noqa: E731
-        timing = (f"eager steps back to back, {args.calls} per CUDA event pair, median of {args.batches}, "
+        timing = (f"steps back to back, {args.calls} per CUDA event pair, median of {args.batches}, "
                   f"{args.rounds} interleaved rounds, {args.warmup} warm-up steps each")  # fmt: skip
     times = time_in_rounds(steps, args.rounds, time_one)
     rows = model_rows(times, args.batch * args.seq_len, peaks)

@@ -186,7 +186,8 @@ def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """A fresh seed, ``[1]`` int64 in ``[offset, offset + 2**62)``, drawn on ``like``'s device from its default
     generator (``like``'s values are not read) in one op: no host sync, and under CUDA graph capture a new value at
     every replay (the generator's offset advances per replay). ``offset + randint(0, 2**62)`` by the same generator
-    state. Traced by torch.compile as the ``parallel_lora::dropout_seed`` op, which draws the same numbers."""
+    state. Traced by torch.compile as the ``parallel_lora::dropout_seed`` op, which draws the same numbers (but
+    where AOTAutograd recomputes it on CUDA: see ``DropoutStream``)."""
     if torch.compiler.is_compiling():
         return torch.ops.parallel_lora.dropout_seed(like, offset)
     return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=like.device)
@@ -258,6 +259,8 @@ class DropoutStream:
     torch.compile: the ``parallel_lora::dropout_seed`` op, with no bookkeeping (AOTAutograd replays the draw with
     the forward's generator state where it recomputes a checkpointed region), so compiled and eager calls draw the
     same seeds; off the CPU the eager path's tags also advance the CPU generator, which compiled calls leave alone.
+    On CUDA a recomputed draw runs on AOTAutograd's graph-safe generators instead (its own, seeded from the CPU
+    generator at the graph's first call): fresh per call and the same in the recompute, not eager's numbers.
 
     Seeds follow the generator, as ``nn.Dropout``'s masks do: ``torch.manual_seed`` (or restoring its state)
     replays them, and two copies of a model draw alike from the same generator state. ``offset`` (an int below
