@@ -1,4 +1,4 @@
-"""``lora_linear``: values, gradients, dtypes, saved tensors, dropout, shapes and input checks, per backend.
+"""``lora_linear``: values, gradients, dtypes, saved tensors and shapes, per backend.
 
 Reference: ``tests/_reference.lora_reference``, the fp64 dense ``y = x W^T + b + s (drop(x) A^T) B^T`` from
 the same tensors the op receives, each rounded to the dtype of the defined compute (``x``/``W``/``b`` to the
@@ -10,57 +10,42 @@ Both backends run everywhere: "torch" (eager) and "triton" (the Triton CPU inter
 GPU; ``conftest`` sets ``TRITON_INTERPRET=1``). Interpreter sizes are kept small (M, K, N <= 48).
 CPU autocast is exercised with bf16 only (the dtype CPU autocast is meant for); fp16 is covered outside
 autocast, as a base weight dtype and as fp16 adapters.
+
+Dropout is in tests/test_functional_dropout.py, bad input in tests/test_functional_errors.py; the shared
+cases, inputs and fixture in tests/_functional.py.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
-
 import pytest
 import torch
 import torch.nn.functional as F
+from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
+    BACKENDS,
+    BF16,
+    F16,
+    F32,
+    FP32,
+    SCALE,
+    Case,
+    Inputs,
+    K,
+    M,
+    N,
+    R,
+    _backend_device,
+    _name,
+    assert_all_close,
+    grads_of,
+    make_inputs,
+    needs_cuda,
+    run_op,
+)
 from _reference import GPU_BF16, assert_close, lora_reference
 
 import parallel_lora.eager as eager
 from parallel_lora import lora_linear
-from parallel_lora.dropout import Dropout, keep_mask, seed_tensor
 from parallel_lora.functional import resolve_backend
-
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-BACKENDS = ("torch", "triton")
-# M is distinct from r, K and N so a saved [M, r] or [M, K] tensor is identified by its shape alone.
-M, K, N, R = 24, 40, 48, 8
-SCALE = 2.0  # alpha / r = 16 / 8: the LoRA term is as large as the base term, so dropping it is visible
-
-
-def _name(dtype: torch.dtype) -> str:
-    return {F32: "fp32", F16: "fp16", BF16: "bf16"}[dtype]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One cell of the dtype matrix."""
-
-    w: torch.dtype  # base weight (and bias) dtype
-    a: torch.dtype  # adapter storage dtype
-    x: torch.dtype  # activation dtype as the caller holds it
-    autocast: bool  # x = torch.square(fp32 leaf) under torch.autocast("cpu"/"cuda", dtype=bf16)
-
-    @property
-    def compute(self) -> torch.dtype:
-        """The base output dtype: the autocast dtype under autocast, else the weight's dtype."""
-        return BF16 if self.autocast else self.w
-
-    @property
-    def id(self) -> str:
-        if self.autocast:
-            inp = "autocast-fp32-x"
-        else:
-            inp = "plain-x" if self.x == self.w else f"{_name(self.x)}-x"
-        return f"{_name(self.w)}-base/{_name(self.a)}-adapters/{inp}"
-
 
 CASES = [
     # plain: x already in the base dtype
@@ -80,66 +65,6 @@ CASES = [
     Case(BF16, F32, F32, True),
 ]
 CASE_IDS = [c.id for c in CASES]
-
-
-@dataclass
-class Inputs:
-    x_leaf: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    lora_A: torch.Tensor
-    lora_B: torch.Tensor
-
-
-def make_inputs(case: Case, *, m=M, k=K, n=N, r=R, bias=True, shape=None) -> Inputs:
-    """O(1) activations, ``W ~ 1/sqrt(K)`` and non-zero ``B`` so base and LoRA terms are both O(1)."""
-    x = torch.randn(*(shape or (m, k))).to(case.x).requires_grad_(True)
-    w = (torch.randn(n, k) / math.sqrt(k)).to(case.w)
-    b = (0.1 * torch.randn(n)).to(case.w) if bias else None
-    a = (torch.randn(r, k) / math.sqrt(k)).to(case.a).requires_grad_(True)
-    bb = (torch.randn(n, r) / math.sqrt(r)).to(case.a).requires_grad_(True)
-    return Inputs(x, w, b, a, bb)
-
-
-def run_op(case: Case, inp: Inputs, backend: str, **kwargs):
-    """Forward under the case's autocast (if any) on x's device; returns ``(x as the op saw it, y)``."""
-    with torch.autocast(inp.x_leaf.device.type, dtype=BF16, enabled=case.autocast):
-        # Under autocast, square leaves an fp32 x in fp32 (CPU) or promotes it to fp32 (CUDA): either way the
-        # op receives an fp32 activation inside a bf16 autocast region.
-        x = torch.square(inp.x_leaf) if case.autocast else inp.x_leaf
-        y = lora_linear(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, backend=backend, **kwargs)
-    return x, y
-
-
-def grads_of(y, x, inp: Inputs, dy):
-    return torch.autograd.grad(y, (x, inp.lora_A, inp.lora_B), dy)
-
-
-def assert_all_close(got: tuple, ref, tol) -> None:
-    """``(y, dx, dA, dB)`` against the reference's, each under ``tol``."""
-    want = (ref.y, ref.dx, ref.dA, ref.dB)
-    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want, strict=True):
-        assert_close(g, w, tol, name)
-
-
-def triton_device() -> str:
-    """Where the Triton backend's tests run: the CPU interpreter when it is on, else the GPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.skip("backend='triton' needs a CUDA GPU or TRITON_INTERPRET=1 (conftest sets it without a GPU)")
-
-
-@pytest.fixture(autouse=True)
-def _backend_device(request):
-    """Tests parametrized with ``backend="triton"`` build their tensors on ``triton_device()``."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is None or callspec.params.get("backend") != "triton":
-        yield
-        return
-    with torch.device(triton_device()):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -334,132 +259,6 @@ def test_saved_tensors_are_x_params_and_one_m_by_r_tensor(case, backend, dropout
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Dropout (on the LoRA branch only; the mask is a function of (seed, row, column)).
-# ---------------------------------------------------------------------------------------------------------
-
-FP32 = Case(F32, F32, F32, False)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_eval_mode_ignores_dropout(backend):
-    inp = make_inputs(FP32)
-    _, y_eval = run_op(FP32, inp, backend, dropout_p=0.5, training=False, dropout_seed=3)
-    _, y_none = run_op(FP32, inp, backend)
-    assert torch.equal(y_eval, y_none)
-
-
-@pytest.mark.parametrize("position", ["pre", "post"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_with_zero_B_leaves_the_base_output_unchanged(backend, position):
-    inp = make_inputs(FP32)
-    with torch.no_grad():
-        inp.lora_B.zero_()
-    _, y_train = run_op(FP32, inp, backend, dropout_p=0.5, training=True, dropout_position=position)
-    _, y_eval = run_op(FP32, inp, backend)
-    assert torch.equal(y_train, y_eval)
-    if backend == "torch":
-        assert torch.equal(y_train, F.linear(inp.x_leaf, inp.weight, inp.bias))
-
-
-@pytest.mark.parametrize("position", ["pre", "post"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dropout_with_zero_base_is_the_dropped_lora_branch(backend, position):
-    inp = make_inputs(FP32, bias=False)
-    inp.weight.zero_()
-    p, seed = 0.3, 1234
-    kwargs = {"dropout_p": p, "training": True, "dropout_position": position, "dropout_seed": seed}
-    _, y = run_op(FP32, inp, backend, **kwargs)
-    x, a, b = (t.detach().double() for t in (inp.x_leaf, inp.lora_A, inp.lora_B))
-    cols = K if position == "pre" else R
-    keep = keep_mask(Dropout(p, seed, position), M, cols, x.device).double() / (1 - p)
-    if position == "pre":
-        manual = SCALE * ((x * keep) @ a.t()) @ b.t()
-    else:
-        manual = SCALE * ((x @ a.t()) * keep) @ b.t()
-    assert_close(y, manual, F32, "dropped LoRA branch")
-    assert not torch.allclose(y.double(), SCALE * (x @ a.t()) @ b.t(), rtol=0.01), "no element was dropped"
-
-
-@pytest.mark.parametrize("position", ["pre", "post"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_and_backward_use_the_same_mask(backend, position):
-    inp = make_inputs(FP32)
-    drop = Dropout(p=0.25, seed=2**40 + 17, position=position)  # a seed above 2**32 exercises both key words
-    x, y = run_op(FP32, inp, backend, dropout_p=drop.p, training=True, dropout_position=position,
-                  dropout_seed=drop.seed)  # fmt: skip
-    dy = torch.randn_like(y)
-    grads = grads_of(y, x, inp, dy)
-    ref = lora_reference(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dy, dropout=drop)
-    assert_all_close((y, *grads), ref, F32)
-    # Not vacuous: another seed's mask is outside the tolerance.
-    other = lora_reference(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dy,
-                           dropout=Dropout(drop.p, drop.seed + 1, position))  # fmt: skip
-    with pytest.raises(AssertionError):
-        assert_close(grads[1], other.dA, F32, "dA with another seed")
-
-
-@pytest.mark.parametrize("position", ["pre", "post"])
-def test_triton_drops_the_same_elements_as_torch(position):
-    """With ``W = 0`` and ``A = B = I`` the output is ``s * drop(x) / (1-p)`` and the input gradient is
-    ``s * drop(dy) / (1-p)`` (either position): their zeros are exactly the dropped elements."""
-    size, p, seed = 16, 0.5, 99
-    case = Case(F32, F32, F32, False)
-    keep = keep_mask(Dropout(p, seed, position), M, size, "cpu")
-    zeros = {}
-    for backend, device in (("torch", "cpu"), ("triton", triton_device())):
-        with torch.device(device):
-            inp = make_inputs(case, k=size, n=size, r=size, bias=False)
-            with torch.no_grad():
-                inp.weight.zero_()
-                inp.lora_A.copy_(torch.eye(size))
-                inp.lora_B.copy_(torch.eye(size))
-            x, y = run_op(case, inp, backend, dropout_p=p, training=True, dropout_position=position,
-                          dropout_seed=seed)  # fmt: skip
-            (dx,) = torch.autograd.grad(y, x, torch.randn_like(y))
-        zeros[backend] = ((y == 0).cpu(), (dx == 0).cpu())
-        y_zero, dx_zero = zeros[backend]
-        assert torch.equal(y_zero, ~keep) and torch.equal(dx_zero, ~keep), f"{backend} dropped other elements"
-    for torch_zero, triton_zero in zip(zeros["torch"], zeros["triton"], strict=True):
-        assert torch.equal(torch_zero, triton_zero)
-    assert 0.3 < keep.float().mean().item() < 0.7  # the mask is not all-keep or all-drop
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_tensor_seed_draws_the_mask_of_its_int(backend):
-    # The kernels read the seed in device memory; an int is copied there, mod 2**64 (two's complement in int64).
-    inp = make_inputs(FP32)
-    seed, kwargs = 2**63 + 5, {"dropout_p": 0.3, "training": True}
-    _, y_int = run_op(FP32, inp, backend, dropout_seed=seed, **kwargs)
-    seed_t = seed_tensor(seed, inp.x_leaf.device)
-    assert seed_t.tolist() == [seed - 2**64]
-    _, y_tensor = run_op(FP32, inp, backend, dropout_seed=seed_t, **kwargs)
-    assert torch.equal(y_int, y_tensor)
-    _, y_other = run_op(FP32, inp, backend, dropout_seed=seed + 1, **kwargs)
-    assert not torch.equal(y_int, y_other)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_no_seed_draws_one_on_the_device_per_call_reproducibly(backend):
-    inp = make_inputs(FP32)
-    kwargs = {"dropout_p": 0.3, "training": True}
-    torch.manual_seed(1)
-    first, second = (run_op(FP32, inp, backend, **kwargs)[1] for _ in range(2))
-    torch.manual_seed(1)
-    assert torch.equal(run_op(FP32, inp, backend, **kwargs)[1], first)
-    assert not torch.equal(first, second)
-
-
-@pytest.mark.parametrize(
-    "seed", [torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], device="meta")], ids=["two", "float", "meta"]
-)
-def test_a_bad_seed_tensor_raises_value_error(seed):
-    inp = _good()
-    with pytest.raises(ValueError, match="1-element int64 tensor on x's device"):
-        lora_linear(inp.x_leaf, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dropout_p=0.1, training=True,
-                    dropout_seed=seed)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Shapes, strides and bias.
 # ---------------------------------------------------------------------------------------------------------
 
@@ -533,75 +332,9 @@ def test_trainable_base_weight_gets_its_gradient(case, backend):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Bad input: clear errors before any compute.
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _good():
-    return make_inputs(FP32)
-
-
-def test_wrong_input_width_names_the_expected_width():
-    inp = _good()
-    with pytest.raises(ValueError, match=f"in_features={K}"):
-        lora_linear(torch.randn(M, K + 1), inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE)
-
-
-def test_integer_input_raises_type_error():
-    inp = _good()
-    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
-        lora_linear(torch.ones(M, K, dtype=torch.int64), inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE)
-
-
-@pytest.mark.parametrize(
-    ("which", "shape", "message"),
-    [
-        ("lora_A", (R, K + 1), f"lora_A must be \\[r, in_features={K}\\]"),
-        ("lora_A", (K,), f"lora_A must be \\[r, in_features={K}\\]"),
-        ("lora_B", (N, R + 1), f"lora_B must be \\[out_features={N}, r={R}\\]"),
-        ("lora_B", (R, N), f"lora_B must be \\[out_features={N}, r={R}\\]"),
-        ("bias", (N + 1,), f"bias must be \\[out_features={N}\\]"),
-        ("weight", (N, K, 1), "weight must be 2-D"),
-    ],
-)
-def test_wrong_parameter_shape_raises_value_error(which, shape, message):
-    args = vars(_good())
-    args[which] = torch.randn(*shape)
-    with pytest.raises(ValueError, match=message):
-        lora_linear(args["x_leaf"], args["weight"], args["bias"], args["lora_A"], args["lora_B"], SCALE)
-
-
-def test_triton_on_cpu_without_the_interpreter_raises(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    inp = _good()
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        lora_linear(inp.x_leaf, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, backend="triton")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"backend": "bogus"}, "backend must be one of"),
-        ({"dropout_p": 1.0, "training": True}, "dropout_p must be in"),
-        ({"dropout_p": 1 - 2**-16, "training": True}, r"1 - 2\*\*-16\)"),
-        ({"dropout_position": "mid"}, "dropout_position must be"),
-    ],
-)
-def test_bad_option_raises_value_error(kwargs, message):
-    inp = _good()
-    with pytest.raises(ValueError, match=message):
-        lora_linear(inp.x_leaf, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, **kwargs)
-
-
-def test_auto_backend_is_torch_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
-
-
-# ---------------------------------------------------------------------------------------------------------
 # GPU: the bf16 matrix on CUDA through backend="auto" (the fused Triton path) at the design's shapes.
 # ---------------------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU_SHAPES = {"8192x4096x4096-r16": (8192, 4096, 4096, 16), "odd-1021x1000x1531-r13": (1021, 1000, 1531, 13)}
 GPU_CASES = [Case(BF16, BF16, BF16, False), Case(BF16, F32, BF16, False), Case(BF16, F32, F32, False),
              Case(BF16, F32, F32, True)]  # fmt: skip
@@ -639,69 +372,3 @@ def test_gpu_autocast_promoted_input_reaches_the_kernel_as_bf16(monkeypatch):
     y.backward(torch.randn_like(y))
     assert seen == {"forward": {BF16}, "backward": {BF16}}
     assert inp.x_leaf.grad.dtype == F32 and inp.lora_A.grad.dtype == F32
-
-
-def test_a_host_side_seed_refuses_cuda_graph_capture(monkeypatch):
-    # An int seed is copied to the device at each call: a captured step would replay one mask forever. A seed
-    # tensor drawn on the device replays fresh (tests/test_compile.py).
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        seed_tensor(3, "cuda")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("tokens", [2048, 8192])
-def test_gpu_forward_backward_replays_from_a_cuda_graph_bit_for_bit(tokens):
-    # Short sequences are host-bound; a user captures the step in a CUDA graph. The fused kernels (bound
-    # launches, per-stream workspaces, in-kernel counters left at zero) must replay to the eager results. From
-    # 8192 tokens the backward takes dB's partials from G's launch (kernels/shrink_db.py): more workspaces.
-    from parallel_lora import LoRAConfig, LoRALinear
-
-    torch.manual_seed(0)
-    cfg = LoRAConfig(r=16, alpha=32, lora_dtype=F32)
-    layer = LoRALinear(1024, 768, cfg, dtype=BF16, device="cuda")
-    torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
-    params = [layer.lora_A.weight, layer.lora_B.weight]
-    x = torch.randn(tokens, 1024, device="cuda", dtype=BF16, requires_grad=True)
-    dy = torch.randn(tokens, 768, device="cuda", dtype=BF16)
-
-    def step():
-        y = layer(x)
-        return (y.detach(), *torch.autograd.grad(y, [x, *params], dy))
-
-    # Warm-up and capture on one stream, so the graph uses that stream's workspaces as they were.
-    capture_stream = torch.cuda.Stream()
-    capture_stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(capture_stream):
-        for _ in range(2):
-            step()  # tune, compile and bind before capture
-    torch.cuda.current_stream().wait_stream(capture_stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=capture_stream):
-        captured = step()
-    for scale in (1.0, -0.5):
-        with torch.no_grad():
-            x.mul_(scale)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = step()
-        for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
-            assert torch.equal(a, b), name
-    # A larger layer called eagerly on the capture's own stream grows that stream's workspaces (the adapter
-    # gradients' arrival counters and partial sums, dB's partials); the graph keeps the ones it captured, which
-    # must stay allocated: small tensors allocated next would otherwise take their memory and be overwritten by
-    # replays.
-    wide = LoRALinear(4096, 4096, cfg, dtype=BF16, device="cuda")
-    longer = torch.randn(8192, 4096, device="cuda", dtype=BF16, requires_grad=True)
-    with torch.cuda.stream(capture_stream):
-        y_long = wide(longer)
-        torch.autograd.grad(y_long, [longer, wide.lora_A.weight, wide.lora_B.weight], torch.randn_like(y_long))
-        filler = [torch.full((n,), 7, device="cuda", dtype=torch.int32) for n in (1 << 10, 1 << 12, 1 << 14) * 16]
-    torch.cuda.current_stream().wait_stream(capture_stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
-    for name, a, b in zip(("y", "dx", "dA", "dB"), captured, eager, strict=True):
-        assert torch.equal(a, b), f"{name} after the workspaces grew"
-    assert all(bool((f == 7).all()) for f in filler), "a replay wrote into memory the workspaces had freed"
