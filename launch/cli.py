@@ -30,6 +30,8 @@ RUN_KEYS = ("preset", "model", "data", "eval_fraction", "seed", "batch_size", "s
 SHAPE_KEYS = ("preset", "rank")
 DEFAULT_PRESET = "small"
 DEFAULT_EVAL_EVERY, DEFAULT_EVAL_FRACTION = 20, 0.05
+# Peak learning rates: the toy model trains from random weights; LoRA on a pretrained checkpoint takes ~1e-4-3e-4.
+DEFAULT_LR, DEFAULT_MODEL_LR = 1e-2, 2e-4
 # What a run writes under --output-dir (a run never removes anything else).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "adapter", "loss.png")
 
@@ -71,7 +73,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world size / dp)")
     p.add_argument("--sequence-parallel", action="store_true", help="shard the residual stream along the sequence")
-    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (linear warmup, cosine to 10%%)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (linear warmup, cosine to 10%%; default {DEFAULT_LR} for the toy model, "
+                        f"{DEFAULT_MODEL_LR} with --model)")
     p.add_argument("--warmup", type=int, default=5, help="warmup steps (>= 0)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on the adapters")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold (> 0; inf: none)")
@@ -113,6 +117,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
         args.eval_fraction = DEFAULT_EVAL_FRACTION if args.eval_fraction is None else args.eval_fraction
     if args.model is None:
         args.preset = args.preset or DEFAULT_PRESET
+    if args.lr is None:
+        args.lr = DEFAULT_LR if args.model is None else DEFAULT_MODEL_LR
     for problem in (*_range_problems(args, world), _output_dir_problem(args)):
         if problem:
             p.error(problem)

@@ -42,7 +42,9 @@ from train import TARGET_MODULES, forward  # noqa: E402
 from parallel_lora.hf import from_pretrained  # noqa: E402
 
 STEPS = 20
-SMALL = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--save-every", "10", "--dropout", "0.1"]
+# A random tiny checkpoint learns in 20 steps only at the toy model's rate, not at the default for real checkpoints.
+SMALL = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "5", "--save-every", "10", "--dropout", "0.1",
+         "--lr", "1e-2"]
 # Per architecture: Qwen2 also trains under bf16 autocast.
 EXTRA = {"llama": [], "qwen2": ["--autocast"]}
 THINGS = ["lamp", "key", "bell", "boat", "coat", "book", "cart", "basket", "letter", "loaf"]
@@ -275,3 +277,14 @@ def test_autocast_runs_the_forward_in_bf16():
     ids = torch.randint(0, 43, (2, 8))
     assert forward(model, ids, Namespace(model=None, autocast=False)).dtype == torch.float32
     assert forward(model, ids, Namespace(model=None, autocast=True)).dtype == torch.bfloat16
+
+
+def test_lr_defaults_to_the_toy_models_rate_or_a_lora_rate_for_a_checkpoint(files, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    toy = cli.parse_args(["--output-dir", str(tmp_path / "toy")])
+    model = cli.parse_args(["--output-dir", str(tmp_path / "hf"), "--model", str(files["llama"]), "--data",
+                            str(files["data"])])  # fmt: skip
+    given = cli.parse_args(["--output-dir", str(tmp_path / "hf"), "--model", str(files["llama"]), "--data",
+                            str(files["data"]), "--lr", "1e-3"])  # fmt: skip
+    assert (toy.lr, model.lr, given.lr) == (cli.DEFAULT_LR, cli.DEFAULT_MODEL_LR, 1e-3) == (1e-2, 2e-4, 1e-3)
