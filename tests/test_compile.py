@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _seeds import given_seeds, recording_seeds
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
 import parallel_lora.comm
-import parallel_lora.dropout
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear, no_sync
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -101,36 +101,6 @@ def test_compiled_lora_mlp_traces_whole_and_matches_eager(backend):
     assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
 
 
-def _record_seeds(monkeypatch) -> list[tuple[bool, int]]:
-    """Each seed drawn at run time (not while tracing), with whether the draw ran in a backward pass."""
-    seeds = []
-    draw = parallel_lora.dropout.draw_seed
-
-    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        seed = draw(like, offset)
-        if not torch.compiler.is_compiling():
-            seeds.append((torch._C._current_graph_task_id() != -1, int(seed.item())))
-        return seed
-
-    monkeypatch.setattr(parallel_lora.dropout, "draw_seed", recording)
-    return seeds
-
-
-def _mlp_under_seeds(model: nn.Sequential, x: torch.Tensor, seeds: list[int]) -> torch.Tensor:
-    """``model``'s eager forward with its dropout layers' seeds given, in order."""
-    seeds = iter(seeds)
-    for layer in model:
-        if not isinstance(layer, LoRALinear):
-            x = layer(x)
-            continue
-        cfg = layer.config
-        seed = torch.tensor([next(seeds)], device=x.device) if cfg.dropout else None
-        x = lora_linear(x, layer.weight, layer.bias, layer.lora_A.weight, layer.lora_B.weight, layer.scale,
-                        cfg.dropout, training=True, backend=cfg.backend, dropout_position=cfg.dropout_position,
-                        dropout_seed=seed)  # fmt: skip
-    return x
-
-
 @pytest.mark.parametrize(
     "device,backend,compiler",
     [
@@ -139,7 +109,7 @@ def _mlp_under_seeds(model: nn.Sequential, x: torch.Tensor, seeds: list[int]) ->
         pytest.param("cuda", "auto", "inductor", marks=[pytest.mark.gpu, needs_cuda]),
     ],
 )
-def test_compiled_checkpoint_reruns_the_forward_seeds(device, backend, compiler, monkeypatch):
+def test_compiled_checkpoint_reruns_the_forward_seeds(device, backend, compiler):
     # The compiled checkpointed region is recomputed in backward. The seed draw is a random op to AOTAutograd,
     # which replays it there under the forward's generator state: the recompute draws the forward's seeds, and
     # the step equals an eager step under them. On the CPU those are the eager path's own seeds (the default
@@ -147,25 +117,26 @@ def test_compiled_checkpoint_reruns_the_forward_seeds(device, backend, compiler,
     # generator at the first call, as it does for every random op it recomputes.
     model = _mlp(backend, device)
     x = torch.randn(12, 16, device=device)
-    seeds = _record_seeds(monkeypatch)
-    compiled = torch.compile(lambda x: checkpoint(model, x, use_reentrant=False), fullgraph=True, backend=compiler)
     drawn = []
-    for step in range(2):
-        state = _rng_state(x.device)
-        seeds.clear()
-        got = _step(model, x, run=compiled)
-        forward = [seed for in_backward, seed in seeds if not in_backward]
-        rerun = [seed for in_backward, seed in seeds if in_backward]
-        assert len(set(forward)) == 2, f"step {step}: the two dropout layers drew {forward}"
-        assert sorted(rerun) == sorted(forward), f"step {step}: the recompute drew {rerun}, the forward {forward}"
-        want = _step(model, x, run=lambda x, forward=forward: _mlp_under_seeds(model, x, forward))
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager under the same seeds"
-        if device == "cpu":
-            _set_rng_state(state, x.device)
-            eager = _step(model, x)
-            assert all(torch.equal(g, w) for g, w in zip(got, eager, strict=True)), f"step {step}: not eager's seeds"
-        drawn.append(forward)
+    with recording_seeds() as seeds:
+        compiled = torch.compile(lambda x: checkpoint(model, x, use_reentrant=False), fullgraph=True, backend=compiler)
+        for step in range(2):
+            state = _rng_state(x.device)
+            seeds.clear()
+            got = _step(model, x, run=compiled)
+            forward = [seed for in_backward, seed in seeds if not in_backward]
+            fwd, rerun = [int(s) for s in forward], [int(seed) for in_backward, seed in seeds if in_backward]
+            assert len(set(fwd)) == 2, f"step {step}: the two dropout layers drew {fwd}"
+            assert sorted(rerun) == sorted(fwd), f"step {step}: the recompute drew {rerun}, the forward {fwd}"
+            with given_seeds(model[::2], forward):
+                want = _step(model, x)
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(g, w), f"step {step}: output/grad {i} differs from eager under the same seeds"
+            if device == "cpu":
+                _set_rng_state(state, x.device)
+                eager = _step(model, x)
+                assert all(torch.equal(g, w) for g, w in zip(got, eager, strict=True)), f"step {step}: not eager's"
+            drawn.append(fwd)
     assert not set(drawn[0]) & set(drawn[1]), "the second step reused the first step's seeds"
 
 

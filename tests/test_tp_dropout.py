@@ -3,7 +3,6 @@ generator, and activation checkpointing (eager, selective, compiled) reruns the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import _dist
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _reference import lora_reference
+from _seeds import given_seeds, recording_seeds
 from _tp import (
     BATCH,
     F32,
@@ -34,7 +34,6 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import parallel_lora.dropout
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
 from parallel_lora.dropout import Dropout, keep_mask
 
@@ -185,38 +184,6 @@ def _set_rng_state(state: torch.Tensor) -> None:
     (torch.cuda.set_rng_state if _dist.device_type() == "cuda" else torch.set_rng_state)(state)
 
 
-@contextlib.contextmanager
-def _recording_seeds():
-    """Yields a list that collects every seed drawn at run time (not while tracing), in order, with whether the draw
-    ran in a backward pass."""
-    seeds, draw = [], parallel_lora.dropout.draw_seed
-
-    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        seed = draw(like, offset)
-        if not torch.compiler.is_compiling():
-            seeds.append((torch._C._current_graph_task_id() != -1, seed.clone()))
-        return seed
-
-    parallel_lora.dropout.draw_seed = recording
-    try:
-        yield seeds
-    finally:
-        parallel_lora.dropout.draw_seed = draw
-
-
-@contextlib.contextmanager
-def _given_seeds(layers, seeds: list[torch.Tensor]):
-    """The layers' eager forwards take ``seeds``, in order, instead of drawing."""
-    given = iter(seeds)
-    for m in layers:
-        m._dropout_stream.next_seed = lambda x: next(given)
-    try:
-        yield
-    finally:
-        for m in layers:
-            del m._dropout_stream.next_seed
-
-
 def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     """Two dropout steps of ``row(gelu(col(x)))`` run through ``region`` give the plain eager steps' outputs and
     gradients bit for bit under the seeds the region's forwards drew, and (but for CUDA's graph-safe replay) draw
@@ -263,14 +230,14 @@ def _mlp_step_matches_eager(region: str, sp: bool) -> None:
     after = _rng_state()
     _set_rng_state(rng)  # the same forward seeds again
     got, drawn = [], []
-    with _recording_seeds() as seeds:
+    with recording_seeds() as seeds:
         for _ in range(2):
             seeds.clear()
             got.append(step(regions[region]))
             drawn.append([seed for in_backward, seed in seeds if not in_backward])
     if not graph_safe:
         assert torch.equal(_rng_state(), after), f"{region} drew other random numbers than the plain steps"
-    with _given_seeds((col, row), drawn[0] + drawn[1]):
+    with given_seeds((col, row), drawn[0] + drawn[1]):
         want = [step(mlp), step(mlp)]
     names = ["y", "x.grad", *(n for n, _ in adapters(col, row))]
     for i in range(2):
