@@ -105,3 +105,21 @@ def test_layer_rejects_a_malformed_shape_naming_the_expected_form():
         layer.parse_args(["--shapes", "8192,4096,4096"])
     args = layer.parse_args(["--quick"])
     assert (args.shapes, args.dropouts, args.adapter_dtypes) == ([layer.SHAPES[0]], [0.0], [torch.bfloat16])
+
+
+def test_graph_capture_lifts_the_old_trees_refusal_of_frozen_masks_and_restores_it(monkeypatch):
+    # An --old tree from before device-drawn seeds refuses CUDA-graph capture with dropout; --graph times it anyway
+    # (one mask per replay, the same work), and leaves the tree as it was.
+    import types
+
+    def refuse(dropout, x):
+        raise RuntimeError("host seed under capture")
+
+    tree = types.SimpleNamespace(refuse_frozen_masks=refuse)
+    monkeypatch.setitem(sys.modules, "parallel_lora_old.functional", tree)
+    with layer.old_masks_may_freeze():
+        assert tree.refuse_frozen_masks(0.1, None) is None
+    assert tree.refuse_frozen_masks is refuse
+    monkeypatch.setitem(sys.modules, "parallel_lora_old.functional", types.SimpleNamespace())
+    with layer.old_masks_may_freeze():  # a tree with nothing to lift
+        pass
