@@ -40,7 +40,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .files import replace_directory
 from .layers import lora_modules
-from .log import rank
 from .peft_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -59,6 +58,12 @@ _FACTORS = ("lora_A", "lora_B")
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    # Who writes: without a process group this process is the whole world and writes, whatever $RANK says
+    # (log.rank reads $RANK for messages, where staying quiet is harmless; here it would save nothing).
+    return dist.get_rank() if _distributed() else 0
 
 
 _COMM_ERROR = re.compile(r"timed out|connection (closed|reset) by peer|broken pipe|gloo|nccl", re.IGNORECASE)
@@ -149,7 +154,7 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
             for factor in _FACTORS:
                 tensors[peft_key(name, factor)] = _full(getattr(m, factor).weight.detach()).cpu().contiguous()
     error = None
-    if rank() == 0:
+    if _rank() == 0:
         try:
             files = {ADAPTER_WEIGHTS: serialize(tensors, config),
                      ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
@@ -298,16 +303,16 @@ def save_checkpoint(
 
     root = Path(root)
     final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
-    if rank() == 0:
+    if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier("save_checkpoint")
     model_state, optim_state = _trainable_state(model, optimizer)
     with _collective("save_checkpoint"):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank()}.pt")
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier("save_checkpoint")
-    if rank() == 0:
+    if _rank() == 0:
         meta = {"step": step, "extra": extra or {}}
         (tmp / "meta.json").write_text(json.dumps(meta))
         (tmp / ".complete").write_text("")
@@ -377,7 +382,7 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
-    rng_file = path / f"rng_rank{rank() if rng_from is None else rng_from}.pt"
+    rng_file = path / f"rng_rank{_rank() if rng_from is None else rng_from}.pt"
     if not rng_file.is_file():
         rng_file = path / "rng_rank0.pt"
     if rng_file.is_file():

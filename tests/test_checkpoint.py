@@ -301,3 +301,15 @@ def test_checkpoint_of_another_rank_is_refused_by_name_before_loading(tmp_path):
     with pytest.raises(ValueError, match=r"'0.q_proj.lora_A.weight' is \[4, 12\] in the checkpoint and \[2, 12\]"):
         load_checkpoint(latest_checkpoint(tmp_path), other, other_opt)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_process_without_a_group_writes_whatever_rank_torchrun_gave_it(tmp_path, monkeypatch):
+    # $RANK names this process's rank once it joins a group; without one it is the whole world, and a save that
+    # left the writing to "rank 0" would write nothing.
+    monkeypatch.setenv("RANK", "1")
+    model = adapted(base_model())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    save_adapter(model, tmp_path / "adapter")
+    save_checkpoint(tmp_path / "checkpoints", model, opt, step=1)
+    assert (tmp_path / "adapter" / ADAPTER_WEIGHTS).is_file()
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000001"
