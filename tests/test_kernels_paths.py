@@ -237,8 +237,8 @@ def test_dx_grads_splits_long_reductions_into_short_items(monkeypatch):
     monkeypatch.setattr(dx_grads, "ITEM_ROWS", 32)
     clear_sites()  # a site bound by an earlier test would skip the split
     seen = []
-    real_split = dx_grads.split_rows
-    monkeypatch.setattr(dx_grads, "split_rows", lambda *a, **k: seen.append(real_split(*a, **k)) or seen[-1])
+    real_split = adapter_grads.split_rows  # through adapter_grads.partials_workspace
+    monkeypatch.setattr(adapter_grads, "split_rows", lambda *a, **k: seen.append(real_split(*a, **k)) or seen[-1])
     x, weight, b, lora_A, lora_B, dy = make_inputs(130, 64, 48, 8, torch.bfloat16)
     assert split_rows(130, 64 + 48, x.device)[0] == 2
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)

@@ -124,9 +124,12 @@ def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None
     return cdiv(M, m_per_split), m_per_split
 
 
-def _workspace(M: int, F: int, R: int, device: torch.device) -> tuple[int, int, int]:
-    """``(split, m_per_split, elements of the fp32 partials)`` of ``F`` feature columns' reductions over M."""
-    split, m_per_split = split_rows(M, F, device)
+def partials_workspace(
+    M: int, F: int, R: int, device: torch.device, max_rows: int | None = None
+) -> tuple[int, int, int]:
+    """``(split, m_per_split, elements of the fp32 partials)`` of ``F`` feature columns' reductions over M, each
+    split at most ``max_rows`` long if given."""
+    split, m_per_split = split_rows(M, F, device, max_rows)
     return split, m_per_split, split * F * pad_rank(R)
 
 
@@ -175,7 +178,7 @@ def lora_adapter_grads(
     dev = feat_a.device
     if M == 0 or F_A + F_B == 0:
         return tuple(None if t is None else t.zero_() for t in (dA, dB))
-    info = site_info(site, _workspace, M, F_A + F_B, R, dev)
+    info = site_info(site, partials_workspace, M, F_A + F_B, R, dev)
     split, m_per_split, partials = info
     if split > 1:
         ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..backend import interpreting
-from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, reduce_smem, split_rows
+from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, partials_workspace, reduce_smem
 from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
@@ -168,13 +168,6 @@ SPEC = KernelSpec(
 )
 
 
-def _workspace(M: int, F: int, R: int, device: torch.device) -> tuple[int, int, int]:
-    """``(split, m_per_split, elements of the fp32 partials)`` of the reductions of ``F`` feature columns, their
-    items at most ``ITEM_ROWS`` long."""
-    split, m_per_split = split_rows(M, F, device, max_rows=ITEM_ROWS)
-    return split, m_per_split, split * F * pad_rank(R)
-
-
 def lora_dx_and_grads(
     dy: torch.Tensor,
     w: torch.Tensor,
@@ -215,7 +208,7 @@ def lora_dx_and_grads(
     if sums:
         dB = torch.empty((N, R), device=dev, dtype=dtype)
     pdb = db_partials if sums else out_a
-    info = site_info(site, _workspace, M, F_A + F_B, R, dev)
+    info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)  # items at most ITEM_ROWS long
     split, m_per_split, partials = info
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
