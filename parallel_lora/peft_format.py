@@ -90,10 +90,6 @@ def _header(blob: bytes) -> dict[str, Any]:
     return json.loads(bytes(memoryview(blob)[8 : _header_end(blob)]))
 
 
-def _data_section(blob: bytes) -> memoryview:
-    return memoryview(blob)[_header_end(blob) :]
-
-
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 of ``tensors`` in sorted-key order, each as its key, dtype, shape and bytes: every byte of a safetensors
     file's data belongs to one tensor, so a changed byte there (or a changed key, dtype or shape) changes it."""
@@ -200,11 +196,10 @@ def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Pat
     try:
         record = json.loads(metadata[RECORD])
         saved = record["config"]
-        # A record's first form hashed the file's data section as it lay ("tensors_sha256").
-        want = record["sha256"] if "sha256" in record else record["tensors_sha256"]
+        want = record["sha256"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"load_adapter: {weights_path} has an unreadable '{RECORD}' record (corrupt?): {e}") from e
-    got = tensors_sha256(tensors) if "sha256" in record else hashlib.sha256(_data_section(blob)).hexdigest()
+    got = tensors_sha256(tensors)
     if got != want:
         raise ValueError(
             f"load_adapter: {weights_path} fails its checksum (sha256 of the tensor data {got[:16]}..., recorded "

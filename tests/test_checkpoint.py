@@ -2,7 +2,6 @@
 or torn file is refused with the model unchanged, directories change as a whole. Against PEFT:
 ``test_peft_format.py``; multi-rank resharding: ``test_checkpoint_parallel.py``."""
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -175,29 +174,6 @@ def test_save_adapter_serializes_the_tensors_once(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "save", lambda *a, **k: calls.append(1) or real_save(*a, **k))
     save_adapter(adapted(base_model()), tmp_path)
     assert len(calls) == 1  # the checksum is taken from the tensors, not from a first serialization
-
-
-def test_a_file_whose_record_hashes_the_data_section_is_still_checked(tmp_path):
-    # The record's first form: the sha256 of the file's data section under "tensors_sha256".
-    from safetensors.torch import save
-
-    from parallel_lora.peft_format import RECORD
-
-    base = base_model()
-    save_adapter(adapted(base, seed=1), tmp_path)
-    weights = tmp_path / ADAPTER_WEIGHTS
-    tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file rewritten below
-    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
-    plain = save(tensors, metadata={"format": "pt"})
-    sha = hashlib.sha256(plain[8 + int.from_bytes(plain[:8], "little"):]).hexdigest()
-    record = {"tensors_sha256": sha, "config": {k: config[k] for k in ("r", "lora_alpha", "use_rslora",
-                                                                       "rank_pattern", "alpha_pattern")}}
-    weights.write_bytes(save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)}))
-    model = load_adapter(adapted(base, seed=2), tmp_path)
-    assert all(torch.equal(model.state_dict()[k[len("base_model.model."):]], v) for k, v in tensors.items())
-    _flip_a_tensor_byte(weights)
-    with pytest.raises(ValueError, match=rf"{ADAPTER_WEIGHTS}.*checksum"):
-        load_adapter(adapted(base, seed=2), tmp_path)
 
 
 def test_a_pair_mixed_by_hand_is_refused(tmp_path):
