@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     start_step = 0
     latest = latest_checkpoint(ckpt_root) if args.resume else None
     if latest is not None:
-        source = rng_source(saved_run(latest), rank, dp_rank)
+        saved = saved_run(latest)
+        source = rng_source(saved, rank, dp_rank)
         try:
             meta = load_checkpoint(latest, model, optimizer, rng_from=source)
         except ValueError as e:  # the checkpoint's adapters do not fit this model
@@ -276,7 +277,6 @@ def main(argv: list[str] | None = None) -> None:
         start_step = faults.RUN.step = meta["step"]
         if source is None:  # a replica the saving run did not have: a state of its own, alike on its TP ranks
             torch.manual_seed(replica_seed(args.seed + start_step, dp_rank))
-        saved = meta.get("extra", {})
         changed = {k: (saved[k], v) for k, v in run_info.items() if k in saved and saved[k] != v}
         if rank == 0 and changed:
             print(f"warning: resuming with changed {changed} (checkpoint, now): losses will differ from the "
@@ -314,10 +314,12 @@ def main(argv: list[str] | None = None) -> None:
                                   seq_len=args.seq_len, dp_rank=dp_rank, dp=dp) for micro in range(args.grad_accum)]
             # The step's loss is the mean over every target of the global batch (prompt tokens carry none): each
             # rank scales its summed loss by dp / (global target count), and the dp all-reduce averages.
-            n_targets = torch.tensor(sum(int((t != IGNORE_INDEX).sum()) for _, t in batches), device=device)
-            if dp > 1:
-                dist.all_reduce(n_targets, group=dp_mesh.get_group())
-            scale = dp / n_targets.item()
+            n_targets = sum(int((t != IGNORE_INDEX).sum()) for _, t in batches)
+            if dp > 1:  # the targets are counted on the host: only dp > 1 needs the device (and a sync)
+                count = torch.tensor(n_targets, device=device)
+                dist.all_reduce(count, group=dp_mesh.get_group())
+                n_targets = int(count.item())
+            scale = dp / n_targets
             loss_sum = torch.zeros((), device=device)
             for micro, (inputs, targets) in enumerate(batches):
                 inputs, targets = inputs.to(device), targets.to(device)
