@@ -122,10 +122,14 @@ IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: targets that carr
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """``AutoTokenizer.from_pretrained(model_dir)``; raises ``ValueError`` when it has no EOS token to end documents."""
+    """``AutoTokenizer.from_pretrained(model_dir)``; raises ``ValueError`` when it cannot be loaded or has no EOS token
+    to end documents."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except OSError as e:  # transformers' error for missing or unreadable tokenizer files
+        raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {model_dir} has no eos_token: it is needed to separate documents")
     return tokenizer

@@ -136,7 +136,7 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
     seven projections, split by the model's own plan over ``mesh["tp"]``, each rank reading only its shards."""
     try:
         tokenizer = load_tokenizer(args.model)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         faults.refuse(f"--model: {e}")
     try:
         data = PackedData(args.data, tokenizer, args.seq_len, eval_fraction=args.eval_fraction)

@@ -151,3 +151,11 @@ def test_missing_file_and_wrong_seq_len_are_refused(tmp_path, tokenizer):
     data = PackedData(_jsonl(tmp_path / "d.jsonl", [{"text": s} for s in SENTENCES * 4]), tokenizer, seq_len=8)
     with pytest.raises(ValueError, match="packed into windows of seq_len=8"):
         data.batch(seed=0, step=1, micro_step=0, batch_size=2, seq_len=16)
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_a_value_error_naming_the_folder(tmp_path):
+    # transformers raises OSError for some unreadable folders and ValueError for others: both callers (train,
+    # generate) turn a ValueError into one line.
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {missing}"):
+        load_tokenizer(missing)
