@@ -51,6 +51,15 @@ def at(phase: str, step: int | None = None) -> None:
         RUN.step = step
 
 
+def local_device() -> torch.device:
+    """This process's device: the GPU torchrun's ``LOCAL_RANK`` names (made current), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(device_type: str, dp: int, tp: int, timeout_s: float, checkpoints: Path) -> DeviceMesh:
     """Start the process group with a ``timeout_s`` on every collective and return the ``(dp, tp)`` mesh.
 

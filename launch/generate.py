@@ -86,11 +86,7 @@ def complete(model: torch.nn.Module, tokenizer: Any, prompt: str, max_new_tokens
 def main(argv: list[str] | None = None) -> None:
     args, checkpoint, configs = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = faults.local_device()
     # Under torchrun: a (dp=1, tp=world) mesh whose groups wait at most --timeout (init_device_mesh's wait 30 min).
     mesh = faults.init_distributed(device.type, 1, world, args.timeout, None) if world > 1 else None
     try:

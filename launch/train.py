@@ -242,11 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_root, metrics_path = out / "checkpoints", out / "metrics.jsonl"
 
     # -- mesh: (dp, tp); the tp slice drives the LoRA layers, the dp slice averages their gradients ------------
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = faults.local_device()
     dp, tp = args.dp, args.tp
     mesh = faults.init_distributed(device.type, dp, tp, args.timeout, ckpt_root)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
