@@ -146,7 +146,7 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
                              lora_dtype=torch.float32)
     try:
         model = from_pretrained(args.checked_model, lora_config, mesh=mesh, device=device, seed=args.seed,
-                                verbose=dist.get_rank() == 0)
+                                verbose=True)  # the library logger speaks on rank 0 only
     except ValueError as e:  # tensors the checkpoint lacks, or of other shapes than its config.json gives
         faults.refuse(f"--model: {e}")
     if args.activation_checkpointing:
