@@ -190,6 +190,9 @@ def set_adapters(cases: dict[str, Case], alpha: float, seed: int) -> int:
     factors = {name: adapter_factors(case.model) for name, case in cases.items() if case.optimizer is not None}
     names = sorted(factors["parallel_lora_fp32"])
     base = cases["frozen"].model
+    for impl, found in factors.items():
+        if sorted(found) != names:
+            raise RuntimeError(f"{impl} adapts {sorted(found)[:3]}..., expected the modules {names[:3]}...")
     generator = torch.Generator(base.device).manual_seed(seed)
     with torch.no_grad():
         for name in names:
@@ -198,9 +201,7 @@ def set_adapters(cases: dict[str, Case], alpha: float, seed: int) -> int:
             A = torch.randn(r, in_features, generator=generator, device=W.device) / math.sqrt(in_features)
             B = torch.randn(out_features, r, generator=generator, device=W.device)
             B *= ADAPTER_SHARE * W.std() * math.sqrt(in_features) / ((alpha / r) * math.sqrt(r))
-            for impl, found in factors.items():
-                if sorted(found) != names:
-                    raise RuntimeError(f"{impl} adapts {sorted(found)[:3]}..., expected the modules {names[:3]}...")
+            for found in factors.values():
                 found[name][0].copy_(A)
                 found[name][1].copy_(B)
     return len(names)
