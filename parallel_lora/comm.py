@@ -3,7 +3,7 @@
 Each collective runs in the dtype of the tensor it is given; the layers hand them tensors already in the
 base output dtype (bf16 stays bf16 on the wire) and fp32 master-adapter gradients in fp32.
 
-A layer's activation communication is two small objects that ``LoRALinearFunction`` calls inside its own
+A layer's activation communication is two small objects that ``LoRAFunction`` calls inside its own
 forward and backward, so the LoRA path and the base share each collective and add no autograd node:
 
 | object                | where                  | forward               | backward                 |
@@ -86,7 +86,7 @@ class ReplicatedInput:
 
 class SequenceGather:
     """A column-parallel layer's sequence-parallel input: ``x`` is this rank's sequence shard, gathered once
-    for base and LoRA together; ``dx`` is reduce-scattered back. ``LoRALinearFunction`` saves only the
+    for base and LoRA together; ``dx`` is reduce-scattered back. ``LoRAFunction`` saves only the
     shard and gathers it again in backward (W is frozen, so only ``dA`` needs the full ``x``)."""
 
     def __init__(self, dim: int, group: ProcessGroup) -> None:

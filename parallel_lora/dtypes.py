@@ -38,25 +38,3 @@ def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
     return t.to(dtype)
-
-
-def canonicalize(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    *,
-    cast_adapters: bool,
-) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Apply the boundary casts for one call of the LoRA op.
-
-    Returns ``(dtype, x, weight, bias, lora_A, lora_B)`` where ``x``, ``weight`` and ``bias`` are in the
-    compute dtype. The adapters are cast too when ``cast_adapters`` (the fused path: one operand dtype per
-    kernel); the eager path keeps them in their own dtype and casts only the LoRA addend.
-    """
-    dtype = compute_dtype(x, weight)
-    x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-    if cast_adapters:
-        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
-    return dtype, x, weight, bias, lora_A, lora_B

@@ -1,21 +1,16 @@
-"""The functional LoRA op and its autograd Function (the backend choice: ``parallel_lora.backend``).
-
-``lora_linear`` applies the dtype policy (``parallel_lora.dtypes``) at the boundary, *outside* the
-autograd Function, then runs one backend on 2-D views:
+"""The LoRA op: a call plan settled once per layer and input signature, one autograd Function, one backend.
 
     x [*, K] -> y [*, N] = x W^T + b + s * (drop(x) A^T) B^T,   y.dtype == the base output dtype
 
-Saved for backward: ``x`` (the caller's tensor, in the compute dtype; no fp32 copy of a bf16 ``x``), the
-parameters, and ``S = s * drop(x) A^T`` ``[M, r]``. Dropout masks are regenerated from the call's seed (``[1]``
-int64 on the device, ``parallel_lora.dropout``). Under torch.compile(fullgraph=True) the Function traces whole: the
-Triton backend through the ops registered in ``parallel_lora.ops``, the torch backend op by op.
-The tensor-parallel layers call ``lora_linear_local`` on their shards (``parallel_lora.parallel``).
+A ``Plan`` holds what a signature decides (checks passed, backend, compute dtype, dropout, collectives, the
+kernels' launch sites); ``LoRAFunction`` casts to the compute dtype inside itself and hands each gradient back in
+its input's dtype. Saved for backward: ``x`` (compute dtype), the operands and ``S = s * drop(x) A^T`` ``[M, r]``.
+Why it is shaped so: docs/design.md, "The call path".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,71 +18,170 @@ import torch.nn.functional as F
 from . import eager
 from .backend import resolve_backend
 from .dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
-from .dtypes import autocast_off, canonicalize, cast_to, compute_dtype
+from .dtypes import autocast_off, cast_to, compute_dtype
 from .ops import fused_backward, fused_forward
 
+_kernels = None  # parallel_lora.kernels (and Triton), imported at the first fused plan
 
-def _impl(backend: str) -> tuple[Callable, Callable]:
-    """``(forward, backward)`` of a backend (the kernels check their operands at a layout's first call only).
 
-    Under torch.compile the torch backend is traced op by op (Inductor fuses its masks and casts), and the Triton
-    backend is one registered op per pass (``parallel_lora.ops``)."""
-    if backend != "triton":
-        return eager.forward, eager.backward
-    return fused_forward, fused_backward
+def _dispatch():
+    global _kernels
+    if _kernels is None:
+        from .kernels import dispatch
+
+        _kernels = dispatch
+    return _kernels
+
+
+class Plan:
+    """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives and sites.
+
+    ``p`` is 0 without an active mask (eval mode, p = 0). ``input_comm`` / ``output_comm`` are a tensor-parallel
+    layer's activation collectives (``parallel_lora.comm``), run inside the one autograd node."""
+
+    def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None) -> None:
+        self.backend, self.dtype, self.scale = backend, dtype, scale
+        self.p, self.position, self.k_offset = p, position, k_offset
+        self._mask_offset = k_offset if position == "pre" else 0  # only the "pre" mask is offset
+        self.cast_adapters = backend == "triton"  # one operand dtype per kernel; eager keeps the adapters' own
+        self.input_comm, self.output_comm = input_comm, output_comm
+        self.fwd_entry = None  # the kernels' forward sites, settled at the first fused call
+        self.bwd_entries: dict = {}  # (dy layout, wanted grads) -> the kernels' backward sites
+
+    def _mode(self) -> str | None:
+        return self.position if self.p > 0.0 else None
+
+    def _dropout(self, seed: torch.Tensor | None) -> Dropout | None:
+        return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
+
+    def forward(self, x, weight, bias, lora_A, lora_B, seed) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [M, K]`` and the operands in the compute dtype -> ``(y [M, N], S [M, r])``."""
+        if self.backend != "triton":
+            return eager.forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
+        if torch.compiler.is_compiling():
+            return fused_forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
+        kernels, entry, mode = _dispatch(), self.fwd_entry, self._mode()
+        if entry is None:
+            entry = kernels.forward_entry(x, weight, bias, lora_A, lora_B, mode)
+        out = kernels.run_forward(entry, x, weight, bias, lora_A, lora_B, self.scale, self.p, seed, mode,
+                                  self._mask_offset)  # fmt: skip
+        self.fwd_entry = entry  # kept once its sites are filled
+        return out
+
+    def backward(self, dy, x, weight, lora_A, lora_B, s_lora, seed, needs: tuple[bool, bool, bool]) -> tuple:
+        """``dy [M, N]`` and the forward's operands -> ``(dx, dA, dB)``, ``None`` where not wanted."""
+        if self.backend != "triton":
+            return eager.backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
+        if torch.compiler.is_compiling():
+            return fused_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
+        kernels, mode = _dispatch(), self._mode()
+        key = (dy.stride(), dy.data_ptr() & 15, needs)
+        entry = self.bwd_entries.get(key)
+        if entry is None:
+            entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
+        grads = kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
+                                     self._mask_offset, *needs)  # fmt: skip
+        if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
+            self.bwd_entries[key] = entry
+        return grads
+
+
+class Plans(dict):
+    """A layer's plans by call signature: at most ``KEPT``, the oldest going first; copies start empty."""
+
+    KEPT = 64
+
+    def keep(self, key: tuple, plan: Plan) -> Plan:
+        if len(self) >= self.KEPT:
+            del self[next(iter(self))]
+        self[key] = plan
+        return plan
+
+    def __deepcopy__(self, memo) -> Plans:
+        return Plans()
+
+    def __reduce__(self):
+        return Plans, ()
+
+
+def call_key(x, weight, bias, lora_A, lora_B, *more) -> tuple:
+    """What a layer's plan depends on: x's layout, the autocast state, the parameters' storage and dtypes, ``more``."""
+    device = x.device
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, autocast, weight.data_ptr(), weight.dtype,
+            lora_A.data_ptr(), lora_A.dtype, lora_A.shape, lora_B.data_ptr(), lora_B.dtype,
+            None if bias is None else bias.data_ptr(), *more)  # fmt: skip
+
+
+def make_plan(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scale: float,
+    backend: str,
+    p: float,
+    position: str = "pre",
+    k_offset: int = 0,
+    input_comm=None,
+    output_comm=None,
+) -> Plan:
+    """Check one call's operands (local shards) and settle its plan; ``p`` is the active dropout probability."""
+    check_inputs(x, weight, bias, lora_A, lora_B, scale)
+    if not valid_p(p):
+        raise ValueError(f"dropout_p must be in {P_RANGE}, got {p}")
+    if position not in ("pre", "post"):
+        raise ValueError(f"dropout_position must be 'pre' or 'post', got {position!r}")
+    backend = resolve_backend(backend, x.device)
+    return Plan(backend, compute_dtype(x, weight), float(scale), float(p), position, k_offset, input_comm, output_comm)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [*, n]`` as ``[rows, n]`` (2-D inputs as they are: a reshape costs host time at every call)."""
+    """``t [*, n]`` as ``[rows, n]`` (2-D inputs as they are)."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-class LoRALinearFunction(torch.autograd.Function):
-    """One LoRA linear on already-canonicalized tensors.
+class LoRAFunction(torch.autograd.Function):
+    """One LoRA linear under a ``Plan``: casts to the compute dtype inside, gradients back in each input's dtype.
 
-    Inputs: ``x [*, K]``, ``W [N, K]``, ``b [N]`` and ``x``/``W``/``b`` in the compute dtype; ``A [r, K]``,
-    ``B [N, r]`` in the compute dtype (fused path) or their own dtype (eager path). Output ``[*, N]`` in the
-    compute dtype. Backward returns each gradient in its input's dtype; ``dW``/``db`` only if they require
-    grad (the base is normally frozen). ``input_comm`` / ``output_comm`` (``parallel_lora.comm``) are a
-    tensor-parallel layer's activation collectives, run inside this one node: the LoRA path shares them.
+    ``x [*, K]``, ``W [N, K]``, ``b [N]``, ``A [r, K]``, ``B [N, r]`` in any float dtypes; ``seed`` ``[1]`` int64 or
+    None -> ``[*, N]`` in the compute dtype. ``dW`` / ``db`` only if they require grad (the base is normally frozen).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_A, lora_B, scale, dropout, backend, input_comm=None, output_comm=None):
-        forward = _impl(backend)[0]
-        # Tensor parallel (``parallel_lora.comm``): ``input_comm`` brings x to the full input (identity, or the
-        # sequence-parallel all-gather, once for base and LoRA together) and sums dx over ranks in backward;
-        # ``output_comm`` reduces the output partials, base and LoRA terms together. Under SP only the local
-        # shard of x is saved (W is frozen, so only dA needs the full x, gathered again in backward).
-        x_full = x if input_comm is None else input_comm.gather(x)
-        x2d = _rows(x_full)
+    def forward(ctx, x, weight, bias, lora_A, lora_B, plan, seed):
+        dtype = plan.dtype
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
+        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
+        if plan.cast_adapters:
+            lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
+        # Tensor parallel: ``input_comm`` gathers x under SP (once for base and LoRA); ``output_comm`` reduces the
+        # partial outputs, base and LoRA together. Under SP only the local shard of x is saved (W is frozen).
+        x_full = x if plan.input_comm is None else plan.input_comm.gather(x)
         with autocast_off(x.device.type):
-            y2d, s_lora = forward(x2d, weight, bias, lora_A, lora_B, scale, dropout)
+            y2d, s_lora = plan.forward(_rows(x_full), weight, bias, lora_A, lora_B, seed)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
-        ctx.scale, ctx.dropout, ctx.backend = scale, dropout, backend
-        ctx.input_comm, ctx.output_comm = input_comm, output_comm
-        ctx.has_bias = bias is not None
+        ctx.plan, ctx.seed, ctx.has_bias = plan, seed, bias is not None  # the [1] seed: no saved activation
         y = y2d if x_full.dim() == 2 else y2d.reshape(*x_full.shape[:-1], weight.shape[0])
-        if output_comm is not None:
-            y = output_comm.reduce(y)
-        # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on
-        # the output treat views of Function outputs specially). Same storage, no copy.
+        if plan.output_comm is not None:
+            y = plan.output_comm.reduce(y)
+        # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on the
+        # output treat views of Function outputs specially). Same storage, no copy.
         return y.detach()
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, lora_A, lora_B, s_lora = ctx.saved_tensors
+        plan, seed = ctx.plan, ctx.seed
         needs_dx, needs_dW, needs_db, needs_dA, needs_dB = ctx.needs_input_grad[:5]
-        comm = ctx.input_comm
-        if ctx.output_comm is not None:
-            dy = ctx.output_comm.gather_grad(dy)
+        if plan.output_comm is not None:
+            dy = plan.output_comm.gather_grad(dy)
+        comm = plan.input_comm
         x_full = x if comm is None or not (needs_dA or needs_dW) else comm.regather(x, dy)
         dy2d, x2d = _rows(dy), _rows(x_full)
-        with autocast_off(x.device.type):
-            dx, dA, dB = _impl(ctx.backend)[1](
-                dy2d, x2d, weight, lora_A, lora_B, s_lora, ctx.scale, ctx.dropout,
-                needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
-            )
+        with autocast_off(dy.device.type):
+            dx, dA, dB = plan.backward(dy2d, x2d, weight, lora_A, lora_B, s_lora, seed, (needs_dx, needs_dA, needs_dB))
             # A trainable base is not the LoRA use case, but its gradient must not be silently dropped.
             dW = dy2d.t() @ x2d if needs_dW else None
             db = dy2d.sum(0) if needs_db and ctx.has_bias else None
@@ -96,7 +190,9 @@ class LoRALinearFunction(torch.autograd.Function):
                 dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
             if comm is not None:
                 dx = comm.scatter_grad(dx)
-        return dx, dW, db, dA, dB, None, None, None, None, None
+        x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
+        return (cast_to(dx, x_dtype), cast_to(dW, w_dtype), cast_to(db, bias_dtype), cast_to(dA, a_dtype),
+                cast_to(dB, b_dtype), None, None)  # fmt: skip
 
 
 def check_inputs(
@@ -141,25 +237,6 @@ def _check_seed(seed: torch.Tensor, device: torch.device) -> torch.Tensor:
     return seed.reshape(1)
 
 
-def lora_linear_local(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-    backend: str,
-) -> torch.Tensor:
-    """Canonicalize dtypes and run the op on local tensors (a whole layer, or one rank's shards).
-
-    ``backend`` must already be resolved. Returns the base output dtype.
-    """
-    cast_adapters = backend == "triton"
-    _, x, weight, bias, lora_A, lora_B = canonicalize(x, weight, bias, lora_A, lora_B, cast_adapters=cast_adapters)
-    return LoRALinearFunction.apply(x, weight, bias, lora_A, lora_B, float(scale), dropout, backend)
-
-
 def lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -185,32 +262,25 @@ def lora_linear(
         dropout_p: dropout on the LoRA branch, active only when ``training``.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
         dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
-        dropout_seed: seed of the counter-based mask: ``None`` draws one on ``x``'s device from its default
-            generator (``dropout.draw_seed``: no host sync, fresh at every CUDA graph replay, and an
-            activation-checkpoint rerun draws the same one with ``preserve_rng_state=True``, the default, as
-            ``nn.Dropout`` needs; the layers also detect a rerun without it and raise). A ``[1]`` int64 tensor on
-            ``x``'s device is used as it is. An int (taken mod 2**64) is copied to the device at each call: a
-            CUDA graph cannot capture it, and compiled code recompiles for each new value.
+        dropout_seed: ``None`` draws one on ``x``'s device; a ``[1]`` int64 tensor on ``x``'s device is used as it
+            is; an int is copied to the device at each call (not capturable in a CUDA graph).
 
     Returns:
         ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
     """
-    check_inputs(x, weight, bias, lora_A, lora_B, scale)
     if not valid_p(dropout_p):
         raise ValueError(f"dropout_p must be in {P_RANGE}, got {dropout_p}")
-    if dropout_position not in ("pre", "post"):
-        raise ValueError(f"dropout_position must be 'pre' or 'post', got {dropout_position!r}")
-    backend = resolve_backend(backend, x.device)
-    dropout = None
-    if training and dropout_p > 0.0:
+    p = float(dropout_p) if training else 0.0
+    plan = make_plan(x, weight, bias, lora_A, lora_B, scale, backend, p, dropout_position)
+    seed = None
+    if p > 0.0:
         if dropout_seed is None:
             seed = draw_seed(x)
         elif isinstance(dropout_seed, torch.Tensor):
             seed = _check_seed(dropout_seed, x.device)
         else:
             seed = seed_tensor(dropout_seed, x.device)
-        dropout = Dropout(p=float(dropout_p), seed=seed, position=dropout_position)
-    return lora_linear_local(x, weight, bias, lora_A, lora_B, scale, dropout, backend)
+    return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

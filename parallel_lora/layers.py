@@ -15,10 +15,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .backend import resolve_backend
 from .config import LoRAConfig
-from .dropout import Dropout, DropoutStream
-from .functional import check_inputs, linear, lora_linear_local
+from .dropout import DropoutStream
+from .functional import LoRAFunction, Plan, Plans, call_key, linear, make_plan
 from .log import logger
 
 
@@ -66,17 +65,6 @@ def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tenso
         local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
 
 
-def stream_dropout(
-    config: LoRAConfig, training: bool, stream: DropoutStream, x: torch.Tensor, k_offset: int = 0
-) -> Dropout | None:
-    """The dropout of one forward call on ``x``, or ``None`` when it is inactive (eval mode, p = 0); its seed is the
-    ``stream``'s next on x's device (a fresh device draw, or the forward's in an activation-checkpoint rerun)."""
-    if not training or config.dropout == 0.0:
-        return None
-    seed = stream.next_seed(x)
-    return Dropout(p=config.dropout, seed=seed, position=config.dropout_position, k_offset=k_offset)
-
-
 class LoRAFactor(nn.Linear):
     """``lora_A`` or ``lora_B``: a bias-free ``nn.Linear`` holding one adapter factor (PEFT's names and keys).
 
@@ -122,6 +110,7 @@ class LoRALinear(nn.Module):
         self.merged = False
         self.adapter_enabled = True
         self._dropout_stream = DropoutStream()
+        self._plans = Plans()
         self.reset_lora_parameters()
 
     @classmethod
@@ -164,13 +153,22 @@ class LoRALinear(nn.Module):
         return self.config.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
         if self.merged or not self.adapter_enabled:
-            return linear(x, self.weight, self.bias)
+            return linear(x, weight, bias)
         A, B = self.lora_A.weight, self.lora_B.weight
-        check_inputs(x, self.weight, self.bias, A, B, self.scale)
-        backend = resolve_backend(self.config.backend, x.device)
-        dropout = stream_dropout(self.config, self.training, self._dropout_stream, x)
-        return lora_linear_local(x, self.weight, self.bias, A, B, self.scale, dropout, backend)
+        if torch.compiler.is_compiling():
+            plan = self._plan(x, weight, bias, A, B)
+        else:
+            key = call_key(x, weight, bias, A, B, self.training, id(self.config))
+            plan = self._plans.get(key) or self._plans.keep(key, self._plan(x, weight, bias, A, B))
+        seed = self._dropout_stream.next_seed(x) if plan.p else None
+        return LoRAFunction.apply(x, weight, bias, A, B, plan, seed)
+
+    def _plan(self, x, weight, bias, A, B) -> Plan:
+        c = self.config
+        p = c.dropout if self.training else 0.0
+        return make_plan(x, weight, bias, A, B, c.scale, c.backend, p, c.dropout_position)
 
     def extra_repr(self) -> str:
         c = self.config

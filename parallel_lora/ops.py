@@ -1,7 +1,7 @@
 """The fused LoRA op as torch.compile sees it: ``parallel_lora::lora_forward`` and ``parallel_lora::lora_backward``.
 
 ``torch.library.custom_op`` registrations of the Triton path (``parallel_lora.kernels.dispatch``), with fake
-implementations giving their outputs' shapes and dtypes, so Dynamo traces ``LoRALinearFunction`` whole and
+implementations giving their outputs' shapes and dtypes, so Dynamo traces ``LoRAFunction`` whole and
 Inductor schedules the op as one opaque call. The op's arguments are plain tensors and scalars: a call's
 ``Dropout`` travels as ``(p, seed, position, k_offset)``, with ``seed`` a ``[1]`` int64 tensor (None without an
 active mask). Their real implementations launch the kernels exactly as an eager call does (each layout's tuned

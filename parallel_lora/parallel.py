@@ -14,7 +14,7 @@ row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
 Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
 Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
 adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
-The activation collectives run inside ``LoRALinearFunction`` (``parallel_lora.comm``), the adapter shards
+The activation collectives run inside ``LoRAFunction`` (``parallel_lora.comm``), the adapter shards
 come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective. Under
 torch.compile(fullgraph=True) the layers trace whole: functional collectives, the same ones in the same places.
 
@@ -34,7 +34,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .backend import resolve_backend
 from .comm import (
     DeferredGradReduction,
     ReducedOutput,
@@ -46,10 +45,10 @@ from .comm import (
     output_comm,
 )
 from .config import LoRAConfig
-from .dropout import SEED_BOUND, Dropout, DropoutStream
+from .dropout import SEED_BOUND, DropoutStream
 from .dtypes import cast_to, compute_dtype
-from .functional import LoRALinearFunction
-from .layers import LoRALinear, stream_dropout
+from .functional import LoRAFunction, Plan, Plans, call_key, make_plan
+from .layers import LoRALinear
 from .layouts import LAYOUTS
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: TP groups' seed offsets lie far apart
@@ -163,6 +162,7 @@ class _ParallelLoRALinear(nn.Module):
         # keyed by the global rank of the group's first member.
         group_id = int(mesh.mesh.flatten()[0].item())
         self._dropout_stream = DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND)
+        self._plans = Plans()
 
         def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
             return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
@@ -190,12 +190,6 @@ class _ParallelLoRALinear(nn.Module):
 
     def _group(self):
         return self.mesh.get_group()
-
-    def _dropout(self, x: torch.Tensor, k_offset: int) -> Dropout | None:
-        """The dropout of this forward call on ``x`` (``None`` in eval mode or at p = 0): a seed drawn from the
-        device's default generator, which every TP rank draws alike when their generators agree, or the forward's
-        seed again in an activation-checkpoint rerun (``DropoutStream``)."""
-        return stream_dropout(self.config, self.training, self._dropout_stream, x, k_offset)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:  # fmt: skip
@@ -246,25 +240,30 @@ class _ParallelLoRALinear(nn.Module):
         input, whose only candidate is dim 0 (Megatron's flattened sequence-first layout)."""
         return 0 if x.dim() == 2 else self.sequence_dim
 
-    def _canonical_inputs(self, x: torch.Tensor) -> tuple[str, torch.dtype, torch.Tensor, torch.Tensor]:
-        """``(backend, compute dtype, x, local W)`` with ``x`` and ``W`` cast to the compute dtype, by the same
-        rule as the single-device op (``parallel_lora.dtypes``)."""
-        backend = resolve_backend(self.config.backend, x.device)
-        w_local = _local(self.weight)
-        dtype = compute_dtype(x, w_local)
-        return backend, dtype, cast_to(x, dtype), cast_to(w_local, dtype)
-
-    def _local_factors(
-        self, dtype: torch.dtype, backend: str, group: torch.distributed.ProcessGroup
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local adapter shards; the replicated one gets its gradient all-reduced (in its own dtype, before
-        the cast to the compute dtype is undone) once per optimizer step (``comm.DeferredGradReduction``)."""
+    def _lora(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The LoRA op on this rank's shards under the plan of ``x``'s signature (built and checked once)."""
+        w_local, A, B = _local(self.weight), self.lora_A.weight, self.lora_B.weight
+        if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta:
+            plan = self._plan(x, w_local, bias)  # a DTensor or meta x is refused there
+        else:
+            key = call_key(x, w_local, bias, A._local_tensor, B._local_tensor, self.training, id(self.config))
+            plan = self._plans.get(key) or self._plans.keep(key, self._plan(x, w_local, bias))
+        group = self._group()
         replicated = LAYOUTS[self.kind].replicated_factor
+        # The replicated factor's gradient is all-reduced (in its own dtype) once per optimizer step.
         reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)
-        a_local, b_local = adapter_shards(self.lora_A.weight, self.lora_B.weight, replicated, group, reduce)
-        if backend == "triton":  # one operand dtype per kernel
-            a_local, b_local = cast_to(a_local, dtype), cast_to(b_local, dtype)
-        return a_local, b_local
+        a_local, b_local = adapter_shards(A, B, replicated, group, reduce)
+        seed = self._dropout_stream.next_seed(x) if plan.p else None
+        return LoRAFunction.apply(x, w_local, bias, a_local, b_local, plan, seed)
+
+    def _plan(self, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None) -> Plan:
+        self._check_call(x)
+        c, group = self.config, self._group()
+        a_local, b_local = self.lora_A.weight._local_tensor, self.lora_B.weight._local_tensor
+        p = c.dropout if self.training else 0.0
+        comms = self._comms(x, group)
+        return make_plan(x, w_local, bias, a_local, b_local, c.scale, c.backend, p, c.dropout_position,
+                         self._k_offset(), *comms)  # fmt: skip
 
     def extra_repr(self) -> str:
         c = self.config
@@ -289,18 +288,24 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
 
     kind = "column"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_call(self, x: torch.Tensor) -> None:
         self._check_input(x, self.in_features)
-        backend, dtype, x, w_local = self._canonical_inputs(x)
-        b_local = None if self.bias is None else cast_to(_local(self.bias), dtype)
-        group = self._group()
-        comm = SequenceGather(self._seq_dim(x), group) if self.sequence_parallel else ReplicatedInput(group)
-        if self.merged or not self.adapter_enabled:
-            return nn.functional.linear(input_comm(x, comm), w_local, b_local)
-        a_local, b_lora = self._local_factors(dtype, backend, group)
-        return LoRALinearFunction.apply(
-            x, w_local, b_local, a_local, b_lora, float(self.scale), self._dropout(x, 0), backend, comm
-        )
+
+    def _comms(self, x: torch.Tensor, group) -> tuple:
+        return SequenceGather(self._seq_dim(x), group) if self.sequence_parallel else ReplicatedInput(group), None
+
+    def _k_offset(self) -> int:
+        return 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else _local(self.bias)
+        if not (self.merged or not self.adapter_enabled):
+            return self._lora(x, bias)
+        self._check_call(x)
+        w_local = _local(self.weight)
+        dtype = compute_dtype(x, w_local)
+        x = input_comm(cast_to(x, dtype), self._comms(x, self._group())[0])
+        return nn.functional.linear(x, cast_to(w_local, dtype), cast_to(bias, dtype))
 
 
 class RowParallelLoRALinear(_ParallelLoRALinear):
@@ -319,7 +324,7 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
     def _width_note(self) -> str:
         return f"in_features/tp = {self.in_features}/{self.tp_size}, this rank's shard"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_call(self, x: torch.Tensor) -> None:
         tp = self.tp_size
         self._check_input(x, self.in_features // tp)
         if self.sequence_parallel and x.shape[self._seq_dim(x)] % tp != 0:
@@ -327,19 +332,24 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
                 f"RowParallelLoRALinear: sequence length {x.shape[self._seq_dim(x)]} (dim {self._seq_dim(x)}) "
                 f"must be divisible by the tensor-parallel size {tp} under sequence_parallel"
             )
-        backend, dtype, x, w_local = self._canonical_inputs(x)
-        group = self._group()
-        comm = ReduceScatterOutput(self._seq_dim(x), group) if self.sequence_parallel else ReducedOutput(group)
-        if self.merged or not self.adapter_enabled:
-            y = output_comm(nn.functional.linear(x, w_local), comm)
+
+    def _comms(self, x: torch.Tensor, group) -> tuple:
+        return None, ReduceScatterOutput(self._seq_dim(x), group) if self.sequence_parallel else ReducedOutput(group)
+
+    def _k_offset(self) -> int:
+        return self.mesh.get_local_rank() * (self.in_features // self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.merged or not self.adapter_enabled):
+            y = self._lora(x, None)
         else:
-            a_local, b_lora = self._local_factors(dtype, backend, group)
-            dropout = self._dropout(x, self.mesh.get_local_rank() * (self.in_features // tp))
-            y = LoRALinearFunction.apply(
-                x, w_local, None, a_local, b_lora, float(self.scale), dropout, backend, None, comm
-            )
+            self._check_call(x)
+            w_local = _local(self.weight)
+            dtype = compute_dtype(x, w_local)
+            y = nn.functional.linear(cast_to(x, dtype), cast_to(w_local, dtype))
+            y = output_comm(y, self._comms(x, self._group())[1])
         if self.bias is not None:
-            y = y + cast_to(_local(self.bias), dtype)
+            y = y + cast_to(_local(self.bias), y.dtype)
         return y
 
 

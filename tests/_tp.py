@@ -20,9 +20,9 @@ Exact (bitwise) where nothing is reduced or rounded: initialization, frozen base
 replicated factors across ranks. Each numeric test also shows its check can fail (the same comparison
 against the base-only output, a perturbed replica, the un-offset mask, the full-x byte count).
 
-Dropout seeds are read by wrapping the layer's ``_dropout(x, k_offset)`` (the one place a layer builds the
-``Dropout`` of a forward call) and recording what it returns; the reference rebuilds the full-width mask
-from that seed with ``k_offset = 0``. Every rank's generator is seeded alike, as the layers require.
+Dropout seeds are read by recording each LoRA call's plan and seed (``test_tp_dropout.recording_dropouts``);
+the reference rebuilds the full-width mask from that seed with ``k_offset = 0``. Every rank's generator is
+seeded alike, as the layers require.
 
 Collectives are counted with ``CommDebugMode`` per phase; their dtypes are recorded by
 ``tests/_dist.CollectiveRecorder``. Adapter-gradient reductions are told apart from activation

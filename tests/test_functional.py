@@ -145,9 +145,7 @@ def test_fp32_adapters_do_not_promote_the_output(base, backend):
 def test_fused_kernel_sees_one_operand_dtype(case, backend, monkeypatch):
     """(b) Every tensor handed to the Triton forward/backward is in the compute dtype: an autocast-promoted
     fp32 x and fp32 adapters over a bf16 base reach the kernels as bf16 (no fp32 tiles, no mixed dots)."""
-    import parallel_lora.kernels as kernels
-
-    seen = record_calls(monkeypatch, kernels)
+    seen = record_calls(monkeypatch)
     inp = make_inputs(case)
     x, y = run_op(case, inp, backend)
     y.backward(torch.randn_like(y))
@@ -176,18 +174,19 @@ def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):
     assert y.dtype == BF16
 
 
-def record_calls(monkeypatch, module) -> dict[str, set[torch.dtype]]:
-    """Wrap the forward and backward the autograd Function calls in ``module``; record the dtypes of every
-    tensor argument."""
+def record_calls(monkeypatch) -> dict[str, set[torch.dtype]]:
+    """Wrap the kernels' forward and backward launches; record the dtypes of every tensor argument."""
+    from parallel_lora.kernels import dispatch
+
     seen: dict[str, set[torch.dtype]] = {}
     for phase in ("forward", "backward"):
-        real = getattr(module, phase)
+        real = getattr(dispatch, f"run_{phase}")
 
         def wrapper(*args, _real=real, _phase=phase, **kw):
             seen.setdefault(_phase, set()).update(a.dtype for a in args if isinstance(a, torch.Tensor))
             return _real(*args, **kw)
 
-        monkeypatch.setattr(module, phase, wrapper)
+        monkeypatch.setattr(dispatch, f"run_{phase}", wrapper)
     return seen
 
 
@@ -361,9 +360,7 @@ def test_gpu_bf16_matches_fp64_reference(shape, case):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_autocast_promoted_input_reaches_the_kernel_as_bf16(monkeypatch):
-    import parallel_lora.kernels as kernels
-
-    seen = record_calls(monkeypatch, kernels)
+    seen = record_calls(monkeypatch)
     case = Case(BF16, F32, F32, True)
     with torch.device("cuda"):
         inp = make_inputs(case, m=256, k=512, n=384, r=16)

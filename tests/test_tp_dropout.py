@@ -3,7 +3,9 @@ generator, and activation checkpointing (eager, selective, compiled) reruns the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import _dist
 import pytest
@@ -34,71 +36,85 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+import parallel_lora.parallel as parallel
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
 from parallel_lora.dropout import Dropout, keep_mask
 
 
-def _recording(make_dropout, used: list):
-    """Wrap a layer's ``_dropout(x, k_offset)`` so every ``Dropout`` (or ``None``) it returns is recorded."""
+@contextlib.contextmanager
+def recording_dropouts() -> Iterator[list[Dropout | None]]:
+    """Yields a list of the ``Dropout`` of every LoRA call of the TP layers (``None`` where inactive), as its plan and
+    seed make it."""
+    used: list[Dropout | None] = []
+    real = parallel.LoRAFunction
 
-    def wrapped(x: torch.Tensor, k_offset: int):
-        used.append(make_dropout(x, k_offset))
-        return used[-1]
+    class Recording:
+        @staticmethod
+        def apply(x, weight, bias, lora_A, lora_B, plan, seed):
+            used.append(Dropout(plan.p, seed, plan.position, plan.k_offset) if plan.p else None)
+            return real.apply(x, weight, bias, lora_A, lora_B, plan, seed)
 
-    return wrapped
+    parallel.LoRAFunction = Recording
+    try:
+        yield used
+    finally:
+        parallel.LoRAFunction = real
 
 
 def _dropout_matches_reference(sp: bool, position: str) -> None:
     p = 0.4
     col, row, col_ref, row_ref = tp_pair(F32, sp, dropout=p)
-    tp, rank = dist.get_world_size(), dist.get_rank()
     for layer, ref, kind in ((col, col_ref, "column"), (row, row_ref, "row")):
         # "post" masks x A^T [M, r]: whole on every column rank, a partial sum on each row rank (the same
         # mask on every rank, so masking the partials masks their sum).
         layer.config = dataclasses.replace(layer.config, dropout_position=position)
         layer.train()
-        used: list[Dropout | None] = []
-        layer._dropout = _recording(layer._dropout, used)
-        seeds = []
-        for call in range(2):
-            fan_in = layer.in_features
-            x_full = torch.randn(BATCH, SEQ, fan_in)
-            dy_full = torch.randn(BATCH, SEQ, layer.out_features)
-            if kind == "column":
-                x, dy = seq_shard(x_full, sp), dy_full.chunk(tp, dim=-1)[rank]
-            else:
-                x, dy = x_full.chunk(tp, dim=-1)[rank], seq_shard(dy_full, sp)
-            x = x.clone().requires_grad_(True)
-            layer.zero_grad()
-            y = layer(x)
-            y.backward(dy)
-            d = used[-1]
-            want_offset = rank * (fan_in // tp) if kind == "row" else 0
-            assert d.k_offset == want_offset, f"{kind}: k_offset {d.k_offset} != {want_offset}"
-            seeds.append(int(d.seed))
-            full_mask = Dropout(p=d.p, seed=d.seed, position=d.position, k_offset=0)
-            r = lora_reference(
-                x_full, ref.weight, ref.bias, ref.lora_A.weight, ref.lora_B.weight, layer.scale, dy_full,
-                dropout=full_mask,
-            )
-            if kind == "column":
-                y_ref, dx_ref = r.y.chunk(tp, dim=-1)[rank], seq_shard(r.dx, sp)
-            else:
-                y_ref, dx_ref = seq_shard(r.y, sp), r.dx.chunk(tp, dim=-1)[rank]
-            close(y, y_ref, F32, f"{kind} call {call}: y")
-            close(x.grad, dx_ref, F32, f"{kind} call {call}: x.grad")
-            close(layer.lora_A.weight.grad.full_tensor(), r.dA, F32, f"{kind} call {call}: dA")
-            close(layer.lora_B.weight.grad.full_tensor(), r.dB, F32, f"{kind} call {call}: dB")
-            assert d.position == position, f"{kind}: dropout position {d.position}"
-            if kind == "row" and rank > 0 and position == "pre":  # the check can fail: not the un-offset mask
-                shape = (BATCH * SEQ, fan_in // tp, "cpu")
-                assert not torch.equal(keep_mask(d, *shape), keep_mask(full_mask, *shape))
-        assert seeds[0] != seeds[1], f"{kind}: two forwards reused one dropout seed"
-        assert len(set(map(tuple, _dist.all_gather_object(seeds)))) == 1, f"{kind}: ranks disagree on seeds"
-        layer.eval()
-        used.clear()
-        layer(x)
-        assert used == [None], "eval mode must not drop"
+        with recording_dropouts() as used:
+            _check_dropout_calls(layer, ref, kind, sp, position, used)
+
+
+def _check_dropout_calls(layer, ref, kind: str, sp: bool, position: str, used: list) -> None:
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    seeds = []
+    for call in range(2):
+        fan_in = layer.in_features
+        x_full = torch.randn(BATCH, SEQ, fan_in)
+        dy_full = torch.randn(BATCH, SEQ, layer.out_features)
+        if kind == "column":
+            x, dy = seq_shard(x_full, sp), dy_full.chunk(tp, dim=-1)[rank]
+        else:
+            x, dy = x_full.chunk(tp, dim=-1)[rank], seq_shard(dy_full, sp)
+        x = x.clone().requires_grad_(True)
+        layer.zero_grad()
+        y = layer(x)
+        y.backward(dy)
+        d = used[-1]
+        want_offset = rank * (fan_in // tp) if kind == "row" else 0
+        assert d.k_offset == want_offset, f"{kind}: k_offset {d.k_offset} != {want_offset}"
+        seeds.append(int(d.seed))
+        full_mask = Dropout(p=d.p, seed=d.seed, position=d.position, k_offset=0)
+        r = lora_reference(
+            x_full, ref.weight, ref.bias, ref.lora_A.weight, ref.lora_B.weight, layer.scale, dy_full,
+            dropout=full_mask,
+        )
+        if kind == "column":
+            y_ref, dx_ref = r.y.chunk(tp, dim=-1)[rank], seq_shard(r.dx, sp)
+        else:
+            y_ref, dx_ref = seq_shard(r.y, sp), r.dx.chunk(tp, dim=-1)[rank]
+        close(y, y_ref, F32, f"{kind} call {call}: y")
+        close(x.grad, dx_ref, F32, f"{kind} call {call}: x.grad")
+        close(layer.lora_A.weight.grad.full_tensor(), r.dA, F32, f"{kind} call {call}: dA")
+        close(layer.lora_B.weight.grad.full_tensor(), r.dB, F32, f"{kind} call {call}: dB")
+        assert d.position == position, f"{kind}: dropout position {d.position}"
+        if kind == "row" and rank > 0 and position == "pre":  # the check can fail: not the un-offset mask
+            shape = (BATCH * SEQ, fan_in // tp, "cpu")
+            assert not torch.equal(keep_mask(d, *shape), keep_mask(full_mask, *shape))
+    assert seeds[0] != seeds[1], f"{kind}: two forwards reused one dropout seed"
+    assert len(set(map(tuple, _dist.all_gather_object(seeds)))) == 1, f"{kind}: ranks disagree on seeds"
+    layer.eval()
+    used.clear()
+    layer(x)
+    assert used == [None], "eval mode must not drop"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -117,9 +133,11 @@ def _dropout_seeds_follow_the_generators() -> None:
     torch.manual_seed(1)
     layer = ColumnParallelLoRALinear(K, H, LoRAConfig(r=R, alpha=6, dropout=0.3), mesh).train()
     x = torch.randn(BATCH, SEQ, K)
-    used: list[Dropout | None] = []
-    layer._dropout = _recording(layer._dropout, used)
+    with recording_dropouts() as used:
+        _check_seeds_follow_the_generators(layer, x, used)
 
+
+def _check_seeds_follow_the_generators(layer, x, used: list) -> None:
     def next_seed() -> int:
         layer(x)
         return int(used[-1].seed)
@@ -136,8 +154,6 @@ def _dropout_seeds_follow_the_generators() -> None:
     torch.manual_seed(2 + dist.get_rank())
     alone = _dist.all_gather_object(next_seed())
     assert alone[0] != alone[1], alone
-
-    del layer._dropout
     state_dict = layer.state_dict()
     assert not [k for k in state_dict if k.endswith("_extra_state")], list(state_dict)
     loaded = layer.load_state_dict({**state_dict, "_extra_state": torch.tensor([12345, 3])})

@@ -185,9 +185,9 @@ def backward_key(
 
 
 # (operand layouts, dropout mask_key, wanted grads) -> the op's launch sites, filled at the layout's first
-# call. A layout seen before passed the checks already (they depend on nothing else but scale and dropout,
-# checked at every call) and launches its bound kernels without the launchers' own per-call work, which costs
-# more host time than the launch itself. One entry per layout, as in ``launcher._BOUND``.
+# call, for callers that hold no plan of their own (the compiled op, direct calls): a layout seen before passed
+# the checks already and launches its bound kernels. At most ``SITES_KEPT`` layouts each, the oldest going first.
+SITES_KEPT = 256
 _FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
 _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
 
@@ -240,6 +240,48 @@ def _prologue(
     return drop, drop.position, drop.k_offset if drop.position == "pre" else 0, key
 
 
+def _remember(cache: dict, key: tuple | None, entry: tuple) -> None:
+    """Keep ``entry`` under ``key``, the oldest entry going once ``SITES_KEPT`` are held."""
+    if key is None:
+        return
+    if len(cache) >= SITES_KEPT:
+        del cache[next(iter(cache))]
+    cache[key] = entry
+
+
+def forward_entry(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    mode: str | None,
+) -> tuple[Site, Site, bool | None]:
+    """Check a forward layout's operands and settle its launches: ``(site, site, w_nk)`` (``w_nk`` None: the
+    separate shrink and GEMM launches, else how the fused launch reads W)."""
+    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    _check_tensors(
+        {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
+        {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
+    )
+    return Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None
+
+
+def run_forward(
+    entry: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+    lora_B: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None, k_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches of a checked layout (``forward_entry``): ``mode`` is the active mask's position or None."""
+    drop_kw = {} if mode is None else {"p": p, "seed": seed}
+    site_s, site_y, w_nk = entry
+    if w_nk is not None:
+        return lora_shrink_gemm(
+            x, weight if w_nk else weight.t(), w_nk, bias, lora_A.t(), lora_B.t(), scale, drop_post=mode == "post",
+            **drop_kw, site=site_s,
+        )  # fmt: skip
+    s_lora = lora_shrink(
+        x, lora_A.t(), scale, drop_pre=mode == "pre", drop_post=mode == "post", k_offset=k_offset, **drop_kw,
+        site=site_s,
+    )  # fmt: skip
+    return lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=site_y), s_lora
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -252,36 +294,67 @@ def forward(
     """``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` (one dtype, any strides)
     -> ``(y [M, N], S [M, r])`` in ``x.dtype``. ``M == 0`` returns empty outputs without a launch."""
     drop, mode, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
-    sites = _FORWARD_SITES.get(key)
-    if sites is None:
-        M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
-        _check_tensors(
-            {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
-            {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
-        )
-        # Whether the layout takes the fused launch, and how it reads W (``w_nk``; None: separate launches), are
-        # the layout's: decided once and kept with its sites.
-        sites = (Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None)
+    entry = _FORWARD_SITES.get(key)
+    fresh = entry is None
+    if fresh:
+        entry = forward_entry(x, weight, bias, lora_A, lora_B, mode)
+    p = 0.0 if drop is None else float(drop.p)
+    out = run_forward(entry, x, weight, bias, lora_A, lora_B, float(scale), p, _seed(dropout, x), mode, k_offset)
+    if fresh:  # stored once filled: another thread never reads a half-bound site
+        _remember(_FORWARD_SITES, key, entry)
+    return out
+
+
+def backward_entry(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
+    s_lora: torch.Tensor, mode: str | None, needs_dx: bool, needs_dA: bool, needs_dB: bool,
+) -> tuple:
+    """Check a backward layout's operands and settle its launches: ``(site, site, site, w_nk, db_in_g)``."""
+    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    _check_tensors(
+        {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
+        {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
+    )
+    fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
+    # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
+    db_in_g = fused and needs_dB and mode != "pre" and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
+    return Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g
+
+
+def run_backward(
+    entry: tuple, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor,
+    lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None,
+    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The launches of a checked layout (``backward_entry``), with the forward's ``p``, ``seed`` and ``mode``."""
+    site_g, site_dx, site_ab, w_nk, db_in_g = entry
     pre = mode == "pre"
-    drop_kw = _drop_kwargs(drop, _seed(dropout, x))
-    w_nk = sites[2]
+    drop_kw = {} if mode is None else {"p": p, "seed": seed}
+    dx = dA = dB = None
+    g, pdb, blocks = None, None, 0
+    if db_in_g:
+        # G and dB's partials from one read of dy: the dx launch then sums those instead of reading dy for dB.
+        g, pdb, blocks = lora_shrink_db(dy, lora_B, s_lora, scale, drop_post=mode == "post", **drop_kw, site=site_g)
+    elif needs_dx or needs_dA:
+        g = lora_shrink(dy, lora_B, scale, drop_post=mode == "post", **drop_kw, site=site_g)
     if w_nk is not None:
-        w = weight if w_nk else weight.t()
-        y, s_lora = lora_shrink_gemm(
-            x, w, w_nk, bias, lora_A.t(), lora_B.t(), float(scale), drop_post=mode == "post",
-            **drop_kw, site=sites[0],
+        # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
+        dx, dA, dB = lora_dx_and_grads(
+            dy, weight.t() if w_nk else weight, w_nk, g, lora_A, x if needs_dA else None,
+            s_lora if needs_dB and not db_in_g else None, lora_drop=pre, k_offset=k_offset, db_partials=pdb,
+            db_parts=blocks, **drop_kw, site=site_dx,
         )  # fmt: skip
-        if key is not None:
-            _FORWARD_SITES[key] = sites
-        return y, s_lora
-    s_lora = lora_shrink(
-        x, lora_A.t(), float(scale), drop_pre=pre, drop_post=mode == "post", k_offset=k_offset,
-        **drop_kw, site=sites[0],
-    )  # fmt: skip
-    y = lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=sites[1])
-    if key is not None:  # stored once filled: another thread never reads a half-bound site
-        _FORWARD_SITES[key] = sites
-    return y, s_lora
+        return dx, dA, dB
+    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
+    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
+    if needs_dx:
+        dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **drop_kw, site=site_dx)
+    if needs_dA or needs_dB:
+        dA, dB = lora_adapter_grads(
+            x if needs_dA else None, g if needs_dA else None, dy if needs_dB else None,
+            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, **drop_kw, site=site_ab,
+        )  # fmt: skip
+    return dx, dA, dB
 
 
 def backward(
@@ -299,52 +372,16 @@ def backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
     (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
-    must be the forward's (same seed): the masks are regenerated, not stored. As in ``forward``, the operands are
-    checked at their layout's first call, scale and dropout at every call."""
+    must be the forward's (same seed): the masks are regenerated, not stored."""
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
-    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, (needs_dx, needs_dA, needs_dB))
-    pre = mode == "pre"
+    needs = (needs_dx, needs_dA, needs_dB)
+    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, needs)
     entry = _BACKWARD_SITES.get(key)
-    if entry is None:
-        M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
-        _check_tensors(
-            {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
-            {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
-        )
-        fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
-        # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
-        db_in_g = fused and needs_dB and not pre and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
-        entry = (Site(), Site(), Site(), _dx_operand(weight)[1] if fused else None, db_in_g)
-    *sites, w_nk, db_in_g = entry
-    drop_kw = _drop_kwargs(drop, _seed(dropout, dy))
-    dx = dA = dB = None
-    g, pdb, blocks = None, None, 0
-    if db_in_g:
-        # G and dB's partials from one read of dy: the dx launch then sums those instead of reading dy for dB.
-        g, pdb, blocks = lora_shrink_db(
-            dy, lora_B, s_lora, float(scale), drop_post=mode == "post", **drop_kw, site=sites[0]
-        )
-    elif needs_dx or needs_dA:
-        g = lora_shrink(dy, lora_B, float(scale), drop_post=mode == "post", **drop_kw, site=sites[0])
-    if w_nk is not None:
-        # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
-        w = weight.t() if w_nk else weight
-        dx, dA, dB = lora_dx_and_grads(
-            dy, w, w_nk, g, lora_A, x if needs_dA else None, s_lora if needs_dB and not db_in_g else None,
-            lora_drop=pre, k_offset=k_offset, db_partials=pdb, db_parts=blocks, **drop_kw, site=sites[1],
-        )  # fmt: skip
-    else:
-        # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
-        # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
-        if needs_dx:
-            dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **drop_kw,
-                           site=sites[1])  # fmt: skip
-        if needs_dA or needs_dB:
-            dA, dB = lora_adapter_grads(
-                x if needs_dA else None, g if needs_dA else None,
-                dy if needs_dB else None, s_lora if needs_dB else None,
-                drop_x=pre, f_offset=k_offset, **drop_kw, site=sites[2],
-            )  # fmt: skip
-    if key is not None:  # stored once filled: another thread never reads a half-bound site
-        _BACKWARD_SITES[key] = entry
-    return dx, dA, dB
+    fresh = entry is None
+    if fresh:
+        entry = backward_entry(*operands, mode, *needs)
+    p = 0.0 if drop is None else float(drop.p)
+    grads = run_backward(entry, *operands, float(scale), p, _seed(dropout, dy), mode, k_offset, *needs)
+    if fresh:
+        _remember(_BACKWARD_SITES, key, entry)
+    return grads

@@ -118,6 +118,8 @@ def site_info(site: Site | None, compute: Callable[..., tuple], *args) -> tuple:
 # (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. One entry per exact shape: a new token
 # count costs one launch through Triton's path (its binary is shared by the Ms Triton specializes alike; its
 # config by the bucket). Two threads binding one signature at once store equal entries.
+# At most ``BOUND_KEPT`` signatures are kept.
+BOUND_KEPT = 1024
 _BOUND: dict[tuple, Bound] = {}
 
 
@@ -168,5 +170,8 @@ def bind(
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = compiled[g]
-    bound = _BOUND[key] = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
+    bound = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
+    if len(_BOUND) >= BOUND_KEPT:  # the oldest goes: a Site keeps its own Bound
+        del _BOUND[next(iter(_BOUND))]
+    _BOUND[key] = bound
     return bound
