@@ -416,3 +416,40 @@ def test_gpu_cuda_graph_of_a_step_replays_fresh_masks():
                         dropout_seed=seed)  # fmt: skip
         for name, got, want in zip(("y", "dx", "dA", "dB"), outputs, step(y), strict=True):
             assert torch.equal(got, want), f"{name} of the replay with seed {int(seed)}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_reduce_overhead_block_trains_from_cuda_graphs_with_fresh_masks():
+    # torch.compile's "reduce-overhead" replays the block from CUDA graphs: the kernels' workspaces must stay out of
+    # the graphs' memory pool (kernels.workspace.outside_graph_pools), and every replay must draw new masks.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    block = _Block(256, LoRAConfig(r=16, alpha=32, dropout=0.1, lora_dtype=F32)).train()
+    block.requires_grad_(False)
+    params = []
+    for layer in (block.qkv, block.out, block.up, block.down):
+        nn.init.normal_(layer.lora_B.weight, std=0.02)
+        params += [layer.lora_A.weight.requires_grad_(True), layer.lora_B.weight.requires_grad_(True)]
+    counters.clear()
+    compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    x = torch.randn(4, 128, 256, device="cuda", dtype=BF16)
+    target = torch.randn_like(x, dtype=F32)
+    losses = []
+    for _ in range(8):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = (compiled(x).float() - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    with torch.no_grad():
+        torch.compiler.cudagraph_mark_step_begin()
+        first = compiled(x).clone()
+        torch.compiler.cudagraph_mark_step_begin()
+        second = compiled(x).clone()
+    assert not torch.equal(first, second), "two replays dropped the same elements"

@@ -14,6 +14,7 @@ counters each launch leaves at zero). Every buffer is kept per (device, stream),
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -40,8 +41,33 @@ def grown(cache: dict, key: tuple, numel: int, make: Callable[[int], torch.Tenso
     if buf is None or buf.numel() < numel:
         if buf is not None:
             RETIRED.append(buf)
-        buf = cache[key] = make(numel)
+        buf = cache[key] = outside_graph_pools(lambda: make(numel))
     return buf
+
+
+def outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` on a helper thread, its work finished, when CUDA is initialized and nothing is capturing.
+
+    A workspace outlives every CUDA graph, and the memory pool of torch.compile's "reduce-overhead" graphs takes the
+    allocations of its own thread only (docs/kernels.md, "Workspaces")."""
+    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+        return make()
+    device, made = torch.cuda.current_device(), []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                made.append(make())
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # re-raised on the caller's thread
+            made.append(e)
+
+    thread = threading.Thread(target=run, name="parallel_lora-workspace")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
