@@ -5,7 +5,7 @@
 A ``Plan`` holds what a signature decides (checks passed, backend, compute dtype, dropout, collectives, the
 kernels' launch sites); ``LoRAFunction`` casts to the compute dtype inside itself and hands each gradient back in
 its input's dtype. Saved for backward: ``x`` (compute dtype), the operands and ``S = s * drop(x) A^T`` ``[M, r]``.
-Why it is shaped so: docs/design.md, "The call path".
+Why it is shaped so: docs/architecture.md, "The call path and its host cost".
 """
 
 from __future__ import annotations
