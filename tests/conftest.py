@@ -1,4 +1,5 @@
-"""Test set-up: Triton runs in its CPU interpreter when there is no GPU; every test is seeded."""
+"""Test set-up: Triton runs in its CPU interpreter when there is no GPU; every test is seeded; tuned configs go
+to a cache folder of the session's own."""
 
 import os
 
@@ -16,3 +17,16 @@ import pytest  # noqa: E402
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_tuning_cache(tmp_path_factory):
+    # Tests neither reuse the configs a user's runs tuned (a test that pins tuning would not tune) nor leave theirs
+    # in the user's cache. Processes the tests start inherit the variable.
+    before = os.environ.get("PARALLEL_LORA_CACHE_DIR")
+    os.environ["PARALLEL_LORA_CACHE_DIR"] = str(tmp_path_factory.mktemp("parallel_lora_cache"))
+    yield
+    if before is None:
+        del os.environ["PARALLEL_LORA_CACHE_DIR"]
+    else:
+        os.environ["PARALLEL_LORA_CACHE_DIR"] = before

@@ -183,9 +183,10 @@ def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_st
 
 @gpu
 @needs_cuda
-def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(monkeypatch):
+def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(monkeypatch, tmp_path):
     # Variable-length batches: after the first M of a power-of-two bucket has tuned, other Ms of the bucket
     # launch with its configs (compiling at most a new specialization), never through the tuner again.
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))  # an empty cache file: the first M must tune
     tuner_calls = []
     real_tune = tuning.tune
 
@@ -212,10 +213,11 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
 
 @gpu
 @needs_cuda
-def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consistent(monkeypatch):
+def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consistent(monkeypatch, tmp_path):
     # ``tune`` runs every candidate many times in CUDA graphs on a side stream: the fused launches' queues and
     # flags must come out of it consistent (the op is right afterwards, twice), and it must not pick the 64x64
     # fallback tile, ~4x slower at this size.
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(tuning, "_BEST", {})
     monkeypatch.setattr(launcher, "_BOUND", {})
     picks = []
