@@ -1,5 +1,6 @@
 """Test set-up: Triton runs in its CPU interpreter when there is no GPU; every test is seeded; tuned configs go
-to a cache folder of the session's own."""
+to a cache folder of the session's own; GPU tests launch one config per kernel variant instead of tuning (those
+marked ``full_tuning`` time every candidate)."""
 
 import os
 
@@ -30,3 +31,18 @@ def _session_tuning_cache(tmp_path_factory):
         del os.environ["PARALLEL_LORA_CACHE_DIR"]
     else:
         os.environ["PARALLEL_LORA_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_tune_one_candidate(request, monkeypatch):
+    # Tuning a launch compiles and times every candidate config (seconds each), which no correctness check needs:
+    # GPU tests launch one config per kernel variant, unless they pin tuning itself (``full_tuning``).
+    if not torch.cuda.is_available() or request.node.get_closest_marker("gpu") is None:
+        return
+    if request.node.get_closest_marker("full_tuning") is not None:
+        return
+    from _tuning import one_candidate
+
+    from parallel_lora.kernels import tuning
+
+    monkeypatch.setattr(tuning, "tune", one_candidate(tuning.tune))

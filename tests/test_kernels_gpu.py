@@ -217,6 +217,7 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
 
 @gpu
 @needs_cuda
+@pytest.mark.full_tuning
 def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consistent(monkeypatch, tmp_path):
     # ``tune`` runs every candidate many times in CUDA graphs on a side stream: the fused launches' queues and
     # flags must come out of it consistent (the op is right afterwards, twice), and it must not pick the 64x64

@@ -284,3 +284,61 @@ def test_tuning_cache_writes_of_concurrent_processes_keep_every_entry(tmp_path):
     assert [proc.exitcode for proc in procs] == [0] * 4
     assert sorted(tuning.read_cache(path)) == sorted(f"key{i}" for i in range(40))
     assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
+
+
+# ------------------------------------------------------------------------------- what GPU tests tune with
+
+
+class _Refusing(_Kernel):
+    """A fake kernel whose compiler refuses the configs in ``refused`` (by their kwargs)."""
+
+    def __init__(self, arg_names, refused=()):
+        super().__init__(arg_names)
+        self.refused = refused
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def launch(*args, **kwargs):
+            if any(all(kwargs.get(k) == v for k, v in r.items()) for r in self.refused):
+                raise OutOfResources(1, 0, "shared memory")
+            self.launched.append(kwargs)
+
+        return launch
+
+
+def _gemm_args(kernel, dtype=torch.bfloat16, M=8192):
+    args = [torch.empty(1, dtype=dtype)] + [16] * (len(kernel.arg_names) - 1)
+    for name, v in (("M", M), ("N_OUT", 4096), ("K_RED", 4096)):
+        args[kernel.arg_names.index(name)] = v
+    return tuple(args)
+
+
+def test_one_candidate_gives_gpu_tests_one_kept_config_per_kernel_variant_without_timing(monkeypatch):
+    # What conftest tunes GPU tests with (tests/_tuning.py).
+    from _tuning import one_candidate
+
+    monkeypatch.setattr(tuning, "max_shared_mem", lambda device: 232_448)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    real = []
+    tune = one_candidate(lambda *args: real.append(args) or "real")
+    spec, kernel = gemm.SPEC, _Kernel(gemm._lora_gemm_kernel.arg_names)
+    consts = {"HAS_BIAS": False, "LORA_DROP": False, "BLOCK_R": 16}
+    kept = tuning.prune(spec, spec.configs(), dict(zip(kernel.arg_names, _gemm_args(kernel), strict=True)), **consts)
+    assert len(kept) > 1
+    pick = tune(spec, kernel, (1,), _gemm_args(kernel), consts)
+    assert real == [] and len(kernel.launched) == 1, "one launch (its compile), no timing"
+    assert tuning.config_to_json(pick) in [tuning.config_to_json(c) for c in kept]
+    same = tune(spec, kernel, (1,), _gemm_args(kernel, M=4096), consts)
+    assert tuning.config_to_json(same) == tuning.config_to_json(pick), "another size of the variant, another compile"
+    picks = {str(tune(spec, kernel, (1,), _gemm_args(kernel, dtype), {**consts, "HAS_BIAS": bias, "LORA_DROP": drop}))
+             for dtype in (torch.bfloat16, torch.float16, torch.float32) for bias in (False, True)
+             for drop in (False, True)}  # fmt: skip
+    assert len(picks) > 1, "every variant picked the same config"
+    refusing = _Refusing(kernel.arg_names, refused=[pick.kwargs])
+    assert tune(spec, refusing, (1,), _gemm_args(refusing), consts).kwargs != pick.kwargs
+    small = {"M": 64, "N_OUT": 64, "K_RED": 64}
+    args = tuple(small.get(name, a) for name, a in zip(kernel.arg_names, _gemm_args(kernel), strict=True))
+    assert tune(spec, kernel, (1,), args, consts) == "real", "a single candidate is tune's own case"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tune(spec, kernel, (1,), _gemm_args(kernel), consts) == "real", "capture: tune's own error"
