@@ -3,6 +3,7 @@
     python tests/run_gpu_tests.py --budget 540 --test-timeout 240 --out gpu_tests.json
     python tests/run_gpu_tests.py --first "direct_launch" tests/test_kernels_gpu.py  # one test ahead of the rest
     python tests/run_gpu_tests.py --resume gpu_tests_prev.json --out gpu_tests.json   # the rest of an earlier run
+    python tests/run_gpu_tests.py --workers 4 --out gpu_tests.json                   # four pytest processes at once
 
 One ``pytest -m gpu`` process runs all the selected tests in order (compiles and tuning carry over from test to
 test). A test that runs past ``--test-timeout`` has its process group killed, is recorded as ``timeout``, and the
@@ -13,6 +14,9 @@ pytest's ``faulthandler_timeout`` dumps every thread's stack into the log at ``-
 which says where a stuck test waits. Prints a table, writes ``{"meta": ..., "rows": [{"test", "outcome",
 "seconds", "commit"}]}`` after every pytest process, so a run cut short keeps what ran. An outer ``timeout`` around
 a single pytest process would lose every test after a stuck one.
+
+``--workers N`` runs every N-th test in each of N such processes at once, on the same GPU: the tests spend most
+of their time compiling kernels on the CPU, one core each. The log's lines then start with the worker's number.
 
 A full GPU run can outlast one budget: ``--resume`` takes an earlier run's JSON, whose passed, skipped and xfail
 tests keep their rows and are not run again; the JSON written holds every selected test. Every row records the
@@ -31,6 +35,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -187,6 +192,63 @@ def run_all(
     return rows()
 
 
+class _Tagged:
+    """A log whose lines start with ``tag``; the lines of several writers stay whole."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, log, tag: str) -> None:
+        self.log, self.tag, self.at_line_start = log, tag, True
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            for piece in text.splitlines(keepends=True):
+                self.log.write(self.tag + piece if self.at_line_start else piece)
+                self.at_line_start = piece.endswith("\n")
+
+
+def run_parallel(
+    ids: list[str], workers: int, marker: str, timeout: float, budget: float, log, cwd: Path = ROOT, on_rows=None,
+    done: dict[str, dict] | None = None, commit: str | None = None, startup: float = 180.0,
+) -> list[dict]:  # fmt: skip
+    """``run_all`` on ``workers`` shards of ``ids`` at once (every ``workers``-th test), each in pytest processes of
+    its own; ``on_rows`` gets every row, in ``ids`` order, after each process of any worker."""
+    if workers <= 1:
+        return run_all(ids, marker, timeout, budget, log, cwd, on_rows, done, commit, startup)
+    done = done or {}
+    latest: dict[int, list[dict]] = {}
+    lock, errors = threading.Lock(), []
+
+    def merged() -> list[dict]:
+        by_id = {row["test"]: row for rows in latest.values() for row in rows}
+        blank = {"outcome": "not run", "seconds": 0.0, "commit": commit}
+        return [by_id.get(i) or done.get(i) or {"test": i, **blank} for i in ids]
+
+    def report(k: int, rows: list[dict]) -> None:
+        with lock:
+            latest[k] = rows
+            if on_rows is not None:
+                on_rows(merged())
+
+    def work(k: int) -> None:
+        try:
+            shard_log = _Tagged(log, f"[{k}] ")
+            rows = run_all(ids[k::workers], marker, timeout, budget, shard_log, cwd, lambda rows: report(k, rows),
+                           done, commit, startup)  # fmt: skip
+            report(k, rows)
+        except BaseException as err:  # noqa: B036 - raised again in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return merged()
+
+
 def write_json(path: str | Path, data: dict) -> None:
     """``data`` as indented JSON at ``path``, replaced atomically: a run killed mid-write keeps the previous file."""
     tmp = Path(f"{path}.tmp")
@@ -222,6 +284,7 @@ def main(argv: list[str] | None = None, cwd: Path = ROOT) -> None:
     parser.add_argument("--test-timeout", type=float, default=240.0, help="seconds one test may take")
     parser.add_argument("--startup-timeout", type=float, default=180.0, help="seconds pytest may take to start")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds after which no test starts")
+    parser.add_argument("--workers", type=int, default=1, help="pytest processes at once, on the same GPU")
     parser.add_argument("--log", default="gpu_tests.log", help="pytest's output, every process appended")
     parser.add_argument("--out", default="gpu_tests.json")
     args = parser.parse_args(argv)
@@ -238,15 +301,16 @@ def main(argv: list[str] | None = None, cwd: Path = ROOT) -> None:
     if args.first:
         ids = [i for i in ids if args.first in i] + [i for i in ids if args.first not in i]
     command = " ".join(sys.argv if argv is None else ["run_gpu_tests.py", *argv])
-    meta = {"command": command, "commit": commit, "gpu": gpu_name(), "resumed": args.resume or None}
+    meta = {"command": command, "commit": commit, "gpu": gpu_name(), "workers": args.workers,
+            "resumed": args.resume or None}  # fmt: skip
 
     def save(rows: list[dict]) -> None:  # after every pytest process: a call cut short keeps what ran
         meta["wall_s"] = round(time.monotonic() - started, 1)
         write_json(args.out, {"meta": meta, "rows": rows})
 
     with open(args.log, "a") as log:
-        rows = run_all(ids, args.marker, args.test_timeout, args.budget, log, cwd, save, done, commit,
-                       args.startup_timeout)  # fmt: skip
+        rows = run_parallel(ids, args.workers, args.marker, args.test_timeout, args.budget, log, cwd, save, done,
+                            commit, args.startup_timeout)  # fmt: skip
     save(rows)
     for row in rows:
         print(f"{row['outcome']:>8} {row['seconds']:7.1f} s  {row['test']}")

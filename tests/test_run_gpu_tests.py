@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_gpu_tests import collect, commit_id, main, run_all, settled
+from run_gpu_tests import collect, commit_id, main, run_all, run_parallel, settled
 
 SCRIPT = Path(__file__).with_name("run_gpu_tests.py")
 
@@ -158,3 +158,21 @@ def test_run_gpu_tests_json_records_commit_and_wall_time_and_resumes_at_the_same
         main([*argv, "--resume", str(out)], cwd=tmp_path)  # the same commit: the passed test is kept
     assert exit_status.value.code == 0 and json.loads(out.read_text())["rows"] == data["rows"]
     assert not (tmp_path / "ran").exists(), "the passed test ran again"
+
+
+def test_run_gpu_tests_workers_run_their_shares_at_once_and_rows_keep_the_test_order(tmp_path):
+    (tmp_path / "test_pids.py").write_text(
+        "import os, pathlib\nimport pytest\n\npytestmark = pytest.mark.fake\n\n"
+        + "".join(f"def test_{i}():\n    pathlib.Path('pid_{i}').write_text(str(os.getpid()))\n\n" for i in range(4))
+        + "def test_fails():\n    assert False\n"
+    )
+    ids = collect("fake", ["."], "", cwd=tmp_path)
+    log, saved = io.StringIO(), []
+    rows = run_parallel(ids, 2, "fake", timeout=60.0, budget=120.0, log=log, cwd=tmp_path, on_rows=saved.append,
+                        commit="c0")  # fmt: skip
+    assert [row["test"] for row in rows] == ids and saved[-1] == rows
+    assert [row["outcome"] for row in rows] == ["passed"] * 4 + ["failed"]
+    pids = {(tmp_path / f"pid_{i}").read_text() for i in range(4)}
+    assert len(pids) == 2, "the tests did not run in two pytest processes"
+    lines = [line for line in log.getvalue().splitlines() if "::test_" in line]
+    assert {line[:4] for line in lines} == {"[0] ", "[1] "}, log.getvalue()
