@@ -6,8 +6,12 @@ compiled against the shared-memory estimates.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import pytest
 import torch
+import triton
 from _kernels import (
     DROPOUTS,
     DTYPES,
@@ -183,9 +187,10 @@ def test_gpu_adapter_grads_with_many_splits_are_exact_and_reproducible_on_two_st
 
 @gpu
 @needs_cuda
-def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(monkeypatch):
+def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(monkeypatch, tmp_path):
     # Variable-length batches: after the first M of a power-of-two bucket has tuned, other Ms of the bucket
     # launch with its configs (compiling at most a new specialization), never through the tuner again.
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))  # an empty cache file: the first M must tune
     tuner_calls = []
     real_tune = tuning.tune
 
@@ -212,10 +217,12 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
 
 @gpu
 @needs_cuda
-def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consistent(monkeypatch):
+@pytest.mark.full_tuning
+def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consistent(monkeypatch, tmp_path):
     # ``tune`` runs every candidate many times in CUDA graphs on a side stream: the fused launches' queues and
     # flags must come out of it consistent (the op is right afterwards, twice), and it must not pick the 64x64
     # fallback tile, ~4x slower at this size.
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(tuning, "_BEST", {})
     monkeypatch.setattr(launcher, "_BOUND", {})
     picks = []
@@ -241,7 +248,8 @@ def test_gpu_tuning_skips_the_slow_fallback_and_leaves_the_fused_launches_consis
 
 def _compile_every_config(checked: list):
     """A stand-in for ``launcher.bind`` that compiles the launch with every config its shared-memory estimate
-    keeps on this GPU and checks the estimate bounds what the compiler allocated (appending each to ``checked``)."""
+    keeps on this GPU and checks the estimate bounds what the compiler allocated (appending each to ``checked``).
+    Each launch runs with Triton's allocator set to the descriptor workspace, as ``bind``'s own launches do."""
     from triton.runtime.errors import OutOfResources
 
     limit = tuning.max_shared_mem(torch.cuda.current_device())
@@ -255,14 +263,44 @@ def _compile_every_config(checked: list):
             need = spec.smem(cfg.kwargs, cfg.num_stages, elem, {**nargs, **consts})
             if need > limit:
                 continue  # pruned before any launch
+            launch = functools.partial(kernel[grid], *args, **consts, **cfg.all_kwargs())
             try:
-                compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
+                compiled = workspace.with_descriptor_scratch(launch)()
             except OutOfResources as err:
                 pytest.fail(f"{cfg} estimated {need} B but did not fit: {err}")
             assert compiled.metadata.shared <= need, (cfg, compiled.metadata.shared, need)
             checked.append(cfg)
 
     return compile_each
+
+
+def test_smem_check_launches_with_an_allocator_and_gives_the_callers_back(monkeypatch):
+    # Device-side TMA descriptors ask Triton's allocator for memory at every launch, and only the library's own
+    # launches set one: the smem checks below launch kernels themselves, so they must set it, then restore it.
+    from triton.runtime._allocation import _NULL_ALLOCATOR, _allocator
+
+    seen = []
+
+    class Kernel:
+        arg_names = ["x_ptr", "M"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(_allocator.get())
+                return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=0))
+
+            return launch
+
+    configs = [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=2)]
+    spec = launcher.KernelSpec("fake", lambda: configs, ("M",), lambda *a: 0, lambda *a: True, lambda n: 1, "x_ptr")
+    monkeypatch.setattr(tuning, "max_shared_mem", lambda device: 1 << 20)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    callers = _allocator.get()
+    checked = []
+    _compile_every_config(checked)(spec, Kernel(), (), (torch.empty(1),), (), lambda: ((8,), (1,), {}))
+    assert checked == configs and len(seen) == 1
+    assert seen[0] not in (callers, _NULL_ALLOCATOR), "launched without an allocator of its own"
+    assert _allocator.get() is callers, "the caller's allocator was not restored"
 
 
 @gpu

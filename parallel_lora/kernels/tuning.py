@@ -7,20 +7,29 @@ a ~100 KB GPU, and tiles much larger than the problem; a problem under ``SMALL_W
 config. ``tune`` times the rest back to back in CUDA graphs, in interleaved rounds (not one config after the
 other, as Triton's autotuner does: ``fastest`` says why), and keeps the fastest.
 Tuning cannot run inside CUDA-graph capture: run one step eagerly first. The interpreter never tunes (each
-kernel runs its ``KernelSpec.interp`` config).
+kernel runs its ``KernelSpec.interp`` config). Chosen configs persist in a JSON file per GPU and Triton version
+(``cache_file``), which later processes read before tuning; ``docs/kernels.md`` says where it lives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
+import re
 import statistics
+import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 
+from ..log import logger
 from .host import next_pow2
 
 if TYPE_CHECKING:
@@ -178,9 +187,11 @@ def tune(spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts:
     return kept[fastest(len(kept), lambda i: timers[i]())]
 
 
-# ``best_key`` (kernel, constexprs, device, bucketed sizes, tensor dtypes) -> the config ``tune`` chose for the
-# first token count M of that bucket.
+# ``best_key`` (kernel, constexprs, device, bucketed sizes, tensor dtypes) -> the config chosen for the first
+# token count M of that bucket, least recently used first. Since M is bucketed to powers of two, a model needs a
+# few entries per layer shape and kernel; past ``BEST_MAX`` the oldest goes (the file still has it).
 _BEST: dict[tuple, triton.Config] = {}
+BEST_MAX = 512
 _TUNING_LOCK = threading.Lock()
 
 
@@ -209,14 +220,151 @@ def best_key(spec: KernelSpec, kernel: JITFunction, args: tuple, consts: dict) -
 def launch_tuned(
     spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict
 ) -> tuple[triton.compiler.CompiledKernel, triton.Config]:
-    """Launch through Triton's own path with the config tuned for this size bucket (``tune`` at the bucket's
-    first launch); returns ``(compiled kernel, config)``."""
+    """Launch through Triton's own path with the config chosen for this size bucket (from ``_BEST``, else the
+    cache file, else ``tune`` and both stored); returns ``(compiled kernel, config)``."""
     key = best_key(spec, kernel, args, consts)
     # Under the lock: autograd's device thread may launch the same kernel for another signature at the same
     # time, and one tuning at a time keeps the timings clean.
     with _TUNING_LOCK:
-        cfg = _BEST.get(key)
+        cfg = _BEST.pop(key, None)  # re-inserted below: the most recently used entry is the last
         if cfg is None:
-            cfg = _BEST[key] = tune(spec, kernel, grid, args, consts)
+            cfg = _cached_or_tuned(spec, kernel, grid, args, consts)
+        _BEST[key] = cfg
+        while len(_BEST) > BEST_MAX:
+            del _BEST[next(iter(_BEST))]
         compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
     return compiled, cfg
+
+
+# ------------------------------------------------------------------------------- the cache file of tuned configs
+CACHE_ENV = "PARALLEL_LORA_CACHE_DIR"
+_FORMAT = 1  # the file's layout; a file of another is read as empty and rewritten
+_WARNED: set[str] = set()
+
+
+def cache_dir() -> Path:
+    """The tuning cache's folder: ``$PARALLEL_LORA_CACHE_DIR/tuning``, else ``~/.cache/parallel_lora/tuning``."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parallel_lora"
+    return Path(root) / "tuning"
+
+
+def gpu_tag(device_index: int) -> str:
+    """The GPU's name and compute capability as a file name part, e.g. ``nvidia-h100-80gb-hbm3-sm90``."""
+    name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device_index).lower()).strip("-")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"{name}-sm{major}{minor}"
+
+
+def cache_file(device_index: int) -> Path:
+    """The file of the configs tuned on this GPU kind under this Triton version."""
+    return cache_dir() / f"{gpu_tag(device_index)}-triton{triton.__version__}.json"
+
+
+def config_to_json(cfg: triton.Config) -> dict:
+    """A ``triton.Config`` as plain JSON values (``config_from_json`` reads it back)."""
+    return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}  # fmt: skip
+
+
+def config_from_json(data: dict) -> triton.Config:
+    """The ``triton.Config`` that ``config_to_json`` wrote; raises KeyError or TypeError on a malformed entry."""
+    return triton.Config(dict(data["kwargs"]), num_warps=data["num_warps"], num_stages=data["num_stages"],
+                         num_ctas=data["num_ctas"], maxnreg=data["maxnreg"])  # fmt: skip
+
+
+@functools.cache
+def _configs_digest(spec: KernelSpec) -> str:
+    listed = json.dumps([config_to_json(c) for c in spec.configs()], sort_keys=True)
+    return hashlib.sha256(listed.encode()).hexdigest()[:12]
+
+
+def cache_key(spec: KernelSpec, kernel: JITFunction, args: tuple, consts: dict) -> str:
+    """The file's key of a launch: ``best_key`` without the device index, plus hashes of the kernel's source
+    and of its config list (an edit to either tunes again)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    sizes = ",".join(f"{k}={v}" for k, v in zip(spec.key, bucketed_sizes(spec, kernel, args), strict=True))
+    dtypes = ",".join(str(t.dtype).removeprefix("torch.") for t in tensors)
+    flags = ",".join(f"{k}={v!r}" for k, v in consts.items())
+    source = str(getattr(kernel, "cache_key", ""))[:12]
+    return f"{spec.name} {kernel.__name__}@{source} [{flags}] {sizes} {dtypes} configs@{_configs_digest(spec)}"
+
+
+def _warn_once(path: Path, message: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        logger.warning(message)
+
+
+def read_cache(path: Path) -> dict[str, dict]:
+    """The entries of a cache file: empty if it is missing, or unreadable (said once per file, in one line)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        _warn_once(path, f"parallel_lora: cannot read the tuning cache {path} ({err}); tuning again")
+        return {}
+    try:
+        data = json.loads(text)
+        entries = data["configs"]
+        if data["format"] != _FORMAT or not isinstance(entries, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        _warn_once(path, f"parallel_lora: the tuning cache {path} is corrupt; tuning again and rewriting it")
+        return {}
+    return entries
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path``'s ``.lock`` file, across processes (none where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_cache(path: Path, key: str, cfg: triton.Config) -> None:
+    """Add ``key -> cfg`` to the cache file: read, merged and replaced atomically under a lock, so that processes
+    tuning at once keep each other's entries and a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path):
+            entries = {**read_cache(path), key: config_to_json(cfg)}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": _FORMAT, "triton": triton.__version__, "configs": entries}, f,
+                              indent=1, sort_keys=True)  # fmt: skip
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+    except OSError as err:
+        _warn_once(path, f"parallel_lora: cannot write the tuning cache {path} ({err}); configs stay in memory")
+
+
+def _cached_or_tuned(spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict) -> triton.Config:
+    """The cache file's config for this launch, else ``tune``'s, which is then added to the file."""
+    device = next(a for a in args if isinstance(a, torch.Tensor)).device
+    path = cache_file(device.index or 0)
+    key = cache_key(spec, kernel, args, consts)
+    entry = read_cache(path).get(key)
+    if entry is not None:
+        try:
+            return config_from_json(entry)
+        except (KeyError, TypeError):
+            _warn_once(path, f"parallel_lora: the tuning cache {path} is corrupt; tuning again and rewriting it")
+    cfg = tune(spec, kernel, grid, args, consts)
+    write_cache(path, key, cfg)
+    return cfg
