@@ -39,8 +39,10 @@ class Plan:
     ``p`` is 0 without an active mask (eval mode, p = 0). ``input_comm`` / ``output_comm`` are a tensor-parallel
     layer's activation collectives (``parallel_lora.comm``), run inside the one autograd node."""
 
-    def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None) -> None:
+    def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
+                 grad_dtype=None) -> None:  # fmt: skip
         self.backend, self.dtype, self.scale = backend, dtype, scale
+        self.grad_dtype = grad_dtype  # the kernels write dA and dB in the adapters' dtype
         self.p, self.position, self.k_offset = p, position, k_offset
         self._mask_offset = k_offset if position == "pre" else 0  # only the "pre" mask is offset
         self.cast_adapters = backend == "triton"  # one operand dtype per kernel; eager keeps the adapters' own
@@ -73,14 +75,15 @@ class Plan:
         if self.backend != "triton":
             return eager.backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
         if torch.compiler.is_compiling():
-            return fused_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
+            return fused_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs,
+                                  self.grad_dtype)  # fmt: skip
         kernels, mode = _dispatch(), self._mode()
         key = (dy.stride(), dy.data_ptr() & 15, needs)
         entry = self.bwd_entries.get(key)
         if entry is None:
             entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
         grads = kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
-                                     self._mask_offset, *needs)  # fmt: skip
+                                     self._mask_offset, *needs, self.grad_dtype)  # fmt: skip
         if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
             self.bwd_entries[key] = entry
         return grads
@@ -134,7 +137,9 @@ def make_plan(
     if position not in ("pre", "post"):
         raise ValueError(f"dropout_position must be 'pre' or 'post', got {position!r}")
     backend = resolve_backend(backend, x.device)
-    return Plan(backend, compute_dtype(x, weight), float(scale), float(p), position, k_offset, input_comm, output_comm)
+    grad_dtype = lora_A.dtype if lora_A.dtype == lora_B.dtype else None
+    return Plan(backend, compute_dtype(x, weight), float(scale), float(p), position, k_offset, input_comm, output_comm,
+                grad_dtype)  # fmt: skip
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

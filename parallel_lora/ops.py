@@ -83,10 +83,12 @@ def lora_backward(
     needs_dx: bool,
     needs_dA: bool,
     needs_dB: bool,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
     grads = _kernels().backward(
-        dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB
+        dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
+        grad_dtype=grad_dtype,
     )
     # A custom op returns tensors: a gradient not asked for comes back empty (``fused_backward`` makes it None).
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
@@ -94,9 +96,10 @@ def lora_backward(
 
 @lora_backward.register_fake
 def _(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout_p, dropout_seed, dropout_position, k_offset, needs_dx,
-      needs_dA, needs_dB):  # fmt: skip
-    shapes = ((needs_dx, x.shape), (needs_dA, lora_A.shape), (needs_dB, lora_B.shape))
-    return tuple(dy.new_empty(shape if needed else (0,)) for needed, shape in shapes)
+      needs_dA, needs_dB, grad_dtype=None):  # fmt: skip
+    grad = grad_dtype or dy.dtype
+    outs = ((needs_dx, x.shape, dy.dtype), (needs_dA, lora_A.shape, grad), (needs_dB, lora_B.shape, grad))
+    return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)
 
 
 def fused_forward(
@@ -126,14 +129,16 @@ def fused_backward(
     needs_dx: bool = True,
     needs_dA: bool = True,
     needs_dB: bool = True,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``parallel_lora.kernels.backward``, through ``parallel_lora::lora_backward`` while compiling."""
     if not torch.compiler.is_compiling():
         return _kernels().backward(
             dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA,
-            needs_dB=needs_dB,
+            needs_dB=needs_dB, grad_dtype=grad_dtype,
         )  # fmt: skip
     grads = torch.ops.parallel_lora.lora_backward(
-        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout, x.device), needs_dx, needs_dA, needs_dB
+        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout, x.device), needs_dx, needs_dA, needs_dB,
+        grad_dtype,
     )
     return tuple(g if needed else None for g, needed in zip(grads, (needs_dx, needs_dA, needs_dB), strict=True))

@@ -41,7 +41,7 @@ from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, u
     needs_cuda,
     run_op,
 )
-from _reference import GPU_BF16, assert_close, lora_reference
+from _reference import GPU_BF16, TOLERANCES, assert_close, lora_reference
 
 import parallel_lora.eager as eager
 from parallel_lora import lora_linear
@@ -152,6 +152,23 @@ def test_fused_kernel_sees_one_operand_dtype(case, backend, monkeypatch):
     assert set(seen) == {"forward", "backward"}
     for phase, dtypes in seen.items():
         assert dtypes == {case.compute}, f"{phase} received {dtypes}, expected only {case.compute}"
+
+
+def test_fused_kernels_write_fp32_adapter_grads_in_fp32(monkeypatch):
+    """fp32 master adapters over a bf16 base: the kernels read bf16 operands and store dA, dB from their fp32
+    accumulators in fp32 (no bf16 rounding, no cast node)."""
+    from parallel_lora.kernels import dispatch
+
+    made, real = [], dispatch.run_backward
+    monkeypatch.setattr(dispatch, "run_backward", lambda *a: made.append(real(*a)) or made[-1])
+    case = Case(BF16, F32, BF16, False)
+    inp = make_inputs(case)
+    x, y = run_op(case, inp, "triton")
+    dy = torch.randn_like(y)
+    dx, dA, dB = grads_of(y, x, inp, dy)
+    assert [t.dtype for t in made[0]] == [BF16, F32, F32]
+    ref = lora_reference(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dy, compute_dtype=BF16)
+    assert_all_close((y, dx, dA, dB), ref, TOLERANCES[BF16])
 
 
 def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):

@@ -137,17 +137,19 @@ Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (feat, g, out) of o
 
 
 def grad_problems(
-    x: torch.Tensor | None, g: torch.Tensor | None, dy: torch.Tensor | None, s_lora: torch.Tensor | None
+    x: torch.Tensor | None, g: torch.Tensor | None, dy: torch.Tensor | None, s_lora: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, Problem, Problem]:
     """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
     (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
     gradient not wanted: ``(dA [r, K] | None, dB [N, r] | None, (feat_a, g_a, out_a), (feat_b, g_b, out_b))``
-    with fresh outputs. A problem not wanted borrows the other's tensors (the kernels give it no columns)."""
+    with fresh outputs in ``out_dtype`` (default: the operands'). A problem not wanted borrows the other's tensors (the
+    kernels give it no columns)."""
     want_a, want_b = x is not None, dy is not None
     feat_a, g_a = (x, g) if want_a else (dy, s_lora)
     feat_b, g_b = (dy, s_lora) if want_b else (x, g)
     R = g_a.shape[1]
-    dev, dtype = feat_a.device, feat_a.dtype
+    dev, dtype = feat_a.device, out_dtype or feat_a.dtype
     dA = torch.empty((R, feat_a.shape[1]), device=dev, dtype=dtype) if want_a else None
     dB = torch.empty((feat_b.shape[1], R), device=dev, dtype=dtype) if want_b else None
     return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
@@ -163,16 +165,16 @@ def lora_adapter_grads(
     seed: torch.Tensor | None = None,
     f_offset: int = 0,
     drop_x: bool = False,
+    out_dtype: torch.dtype | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
-    from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in the operands' (one) dtype. Pass ``None`` for
-    both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with ``drop_x`` (the "pre"
-    mask of x's columns shifted by ``f_offset``, keyed by ``seed``), else 1. ``M == 0`` gives zeros. Inputs are
-    assumed checked by the caller, which passes a ``site`` bound to this operand layout (filled here at its first
-    call)."""
+    from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in ``out_dtype`` (default: the operands' one dtype).
+    Pass ``None`` for both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with
+    ``drop_x`` (the "pre" mask of x's columns shifted by ``f_offset``, keyed by ``seed``), else 1. ``M == 0`` gives
+    zeros. Inputs are checked by the caller, which passes a ``site`` bound to this layout (filled at its first call)."""
     want_a, want_b = x is not None, dy is not None
-    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora)
+    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora, out_dtype)
     M, R = g_a.shape
     F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
     dev = feat_a.device
@@ -211,5 +213,5 @@ def _describe(tensors: tuple, want_a: bool, want_b: bool, split: int, m_per_spli
 
     # The outputs are fresh and contiguous, so their strides follow from the sizes.
     signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(),
-                 feat_a.dtype, drop_a, odd, a_tma, b_tma, split > 1)  # fmt: skip
+                 feat_a.dtype, out_a.dtype, drop_a, odd, a_tma, b_tma, split > 1)  # fmt: skip
     return SPEC, _lora_adapter_grads_kernel, signature, build

@@ -177,9 +177,9 @@ def backward_key(
     lora_B: torch.Tensor,
     s_lora: torch.Tensor,
     mask: tuple | None,
-    *needs: bool,
+    *needs: bool | torch.dtype | None,
 ) -> tuple:
-    """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
+    """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted (and in which dtype)."""
     layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
     return _device_key(dy), *layouts, mask, *needs
 
@@ -324,9 +324,10 @@ def backward_entry(
 def run_backward(
     entry: tuple, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor,
     lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None,
-    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool,
+    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool, grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The launches of a checked layout (``backward_entry``), with the forward's ``p``, ``seed`` and ``mode``."""
+    """The launches of a checked layout (``backward_entry``), with the forward's ``p``, ``seed`` and ``mode``; dA and
+    dB in ``grad_dtype`` (default: the operands')."""
     site_g, site_dx, site_ab, w_nk, db_in_g = entry
     pre = mode == "pre"
     drop_kw = {} if mode is None else {"p": p, "seed": seed}
@@ -342,7 +343,7 @@ def run_backward(
         dx, dA, dB = lora_dx_and_grads(
             dy, weight.t() if w_nk else weight, w_nk, g, lora_A, x if needs_dA else None,
             s_lora if needs_dB and not db_in_g else None, lora_drop=pre, k_offset=k_offset, db_partials=pdb,
-            db_parts=blocks, **drop_kw, site=site_dx,
+            db_parts=blocks, out_dtype=grad_dtype, **drop_kw, site=site_dx,
         )  # fmt: skip
         return dx, dA, dB
     # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
@@ -352,7 +353,8 @@ def run_backward(
     if needs_dA or needs_dB:
         dA, dB = lora_adapter_grads(
             x if needs_dA else None, g if needs_dA else None, dy if needs_dB else None,
-            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, **drop_kw, site=site_ab,
+            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, out_dtype=grad_dtype, **drop_kw,
+            site=site_ab,
         )  # fmt: skip
     return dx, dA, dB
 
@@ -369,19 +371,20 @@ def backward(
     needs_dx: bool = True,
     needs_dA: bool = True,
     needs_dB: bool = True,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
-    (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)`` in that dtype. ``dropout``
-    must be the forward's (same seed): the masks are regenerated, not stored."""
+    (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)``, dx in that dtype, dA and dB in
+    ``grad_dtype`` (default: that dtype). ``dropout`` must be the forward's (same seed): the masks are regenerated."""
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
     needs = (needs_dx, needs_dA, needs_dB)
-    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, needs)
+    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, (*needs, grad_dtype))
     entry = _BACKWARD_SITES.get(key)
     fresh = entry is None
     if fresh:
         entry = backward_entry(*operands, mode, *needs)
     p = 0.0 if drop is None else float(drop.p)
-    grads = run_backward(entry, *operands, float(scale), p, _seed(dropout, dy), mode, k_offset, *needs)
+    grads = run_backward(entry, *operands, float(scale), p, _seed(dropout, dy), mode, k_offset, *needs, grad_dtype)
     if fresh:
         _remember(_BACKWARD_SITES, key, entry)
     return grads

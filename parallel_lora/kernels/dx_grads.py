@@ -183,10 +183,12 @@ def lora_dx_and_grads(
     lora_drop: bool = False,
     db_partials: torch.Tensor | None = None,
     db_parts: int = 0,
+    out_dtype: torch.dtype | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``dx [M, K] = dy [M, N] @ W + drop(G [M, r] @ A [r, K])`` with ``dA = c * G^T drop(x)`` ``[r, K]`` when
-    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch, in dy's dtype; or
+    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch (dx in dy's dtype, dA and
+    dB in ``out_dtype``, default dy's); or
     ``dB`` as the sum of ``shrink_db``'s ``db_parts`` fp32 partials ``db_partials`` (``[db_parts, N, r_pad]``,
     flat; then no ``s_lora``).
     ``w`` is W as the TMA GEMM reads it (``[N, K]``, or ``W.t()`` with ``w_nk``); operands are checked by the
@@ -199,14 +201,14 @@ def lora_dx_and_grads(
     dev, dtype = dy.device, dy.dtype
     dx = torch.empty((M, K), device=dev, dtype=dtype)
     if want_a or want_b:
-        problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora)
+        problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, out_dtype)
     else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G, G) for their pointers
         problems = None, None, (dy, g, g), (dy, g, g)
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = problems
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:
-        dB = torch.empty((N, R), device=dev, dtype=dtype)
+        dB = torch.empty((N, R), device=dev, dtype=out_dtype or dtype)
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)  # items at most ITEM_ROWS long
     split, m_per_split, partials = info
@@ -252,5 +254,6 @@ def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, 
 
     a_layout = want_a and (x.stride(), tma_rows(x))
     signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
-                 want_b and s_lora.stride(), sums and db_parts, dy.dtype, lora_drop, odd, num_sms)  # fmt: skip
+                 want_b and s_lora.stride(), sums and db_parts, dy.dtype, out_a.dtype, tensors[-1].dtype, lora_drop,
+                 odd, num_sms)  # fmt: skip
     return SPEC, _dx_and_grads_kernel, signature, build
