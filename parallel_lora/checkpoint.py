@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .files import replace_directory
+from .files import is_stale, replace_directory, writer_tag
 from .layers import lora_modules
 from .peft_format import (
     ADAPTER_CONFIG,
@@ -265,6 +265,23 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 # -- training-state checkpoints ------------------------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A save in progress (or killed): ``step_<N>.tmp-<pid>@<host>`` of the rank 0 that publishes it (untagged: older).
+_STEP_TMP = re.compile(r"^step_(?P<step>\d+)\.tmp(?:-(?P<tag>\d+@[A-Za-z0-9._-]+))?$")
+
+
+def remove_stale_checkpoint_temporaries(root: str | os.PathLike, step: int | None = None) -> list[Path]:
+    """Remove the ``step_<N>.tmp-*`` directories under ``root`` (of ``step`` only, if given) whose writer is gone;
+    returns them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        m = _STEP_TMP.match(p.name)
+        if m and (step is None or int(m["step"]) == step) and is_stale(p, m["tag"]):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -296,17 +313,22 @@ def save_checkpoint(
     """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``.
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). Written to ``step_<step>.tmp`` first, marked complete, and renamed by rank 0
-    after a barrier.
+    ``RuntimeError`` saying so). Written to ``step_<step>.tmp-<pid>@<host>`` (rank 0's) first, marked complete, and
+    renamed by rank 0 after a barrier; stale temporaries of the step are removed first.
     """
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
-    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+    final = root / f"step_{step:08d}"
+    names = [f"step_{step:08d}.tmp-{writer_tag()}"]
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier("save_checkpoint")
+        remove_stale_checkpoint_temporaries(root, step)
+        shutil.rmtree(root / names[0], ignore_errors=True)  # this process's own earlier attempt, if one failed
+        (root / names[0]).mkdir(parents=True)
+    if _distributed():  # every rank writes into rank 0's directory, which exists once this returns
+        with _collective("save_checkpoint"):
+            dist.broadcast_object_list(names, src=0)
+    tmp = root / names[0]
     model_state, optim_state = _trainable_state(model, optimizer)
     with _collective("save_checkpoint"):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))

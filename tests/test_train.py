@@ -308,6 +308,38 @@ def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     assert metrics(out) == metrics(run_a)
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_resume_sweeps_the_temporaries_of_killed_writes_and_nothing_else(run_a, tmp_path):
+    from parallel_lora.files import HOST
+
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    dead, live = f"{_dead_pid()}@{HOST}", f"{os.getppid()}@{HOST}"
+    stale = [".adapter.new-1b98858e", f".metrics.jsonl.new-0000000a-{dead}", "checkpoints/step_00000009.tmp",
+             f"checkpoints/step_00000009.tmp-{dead}"]  # the untagged two: names from before writers were tagged
+    kept = [f".adapter.new-0000000b-{live}", "checkpoints/step_00000010.tmp-1@elsewhere", "notes.txt"]
+    for name in stale + kept:
+        path = out / name
+        if name.endswith(".txt") or "metrics" in name:
+            path.write_text("partial")
+        else:
+            path.mkdir()
+            (path / "part").write_bytes(b"partial")
+    resumed = launch_one(out, *COMMON, "--resume")
+    check_ok(resumed)
+    swept = [line for line in resumed.stdout.splitlines() if line.startswith("removed ")]
+    assert len(swept) == 1 and all(name in swept[0] for name in stale), resumed.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["adapter", "checkpoints", "loss.png", "metrics.jsonl", *(n for n in kept if "/" not in n)])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000003", "step_00000006", "step_00000008", "step_00000010.tmp-1@elsewhere"]
+
+
 def test_an_earlier_run_is_kept_unless_overwrite_and_no_matplotlib_only_skips_the_plot(run_a, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_a, out)
