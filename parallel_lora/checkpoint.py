@@ -25,6 +25,7 @@ it, or died), it raises ``RuntimeError`` saying so rather than a backend's bare 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .files import is_stale, replace_directory, writer_tag
 from .layers import lora_modules
+from .log import logger
 from .peft_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -265,6 +267,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 # -- training-state checkpoints ------------------------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+CHECKSUMS = "checksums.json"  # a checkpoint's {"sha256": {file name: hex digest}} of every other file in it
 # A save in progress (or killed): ``step_<N>.tmp-<pid>@<host>`` of the rank 0 that publishes it (untagged: older).
 _STEP_TMP = re.compile(r"^step_(?P<step>\d+)\.tmp(?:-(?P<tag>\d+@[A-Za-z0-9._-]+))?$")
 
@@ -333,15 +336,102 @@ def save_checkpoint(
     with _collective("save_checkpoint"):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier("save_checkpoint")
     if _rank() == 0:
-        meta = {"step": step, "extra": extra or {}}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
+    # Each rank hashes the files it wrote (DCP names a rank's shards __<rank>_<n>.distcp); rank 0 also the rest.
+    mine = re.compile(rf"^(__{_rank()}_\d+\.distcp|rng_rank{_rank()}\.pt)$")
+    sums = {p.name: _sha256(p) for p in tmp.iterdir() if mine.match(p.name)}
+    gathered = [sums]
+    if _distributed():
+        gathered = [None] * dist.get_world_size() if _rank() == 0 else None
+        with _collective("save_checkpoint"):
+            dist.gather_object(sums, gathered, dst=0)
+    if _rank() == 0:
+        sums = {name: digest for part in gathered for name, digest in part.items()}
+        for p in tmp.iterdir():
+            if p.name not in sums and p.is_file():  # .metadata, meta.json, and whatever DCP names otherwise
+                sums[p.name] = _sha256(p)
+        # Written last, then the marker, both before the rename that publishes the directory.
+        (tmp / CHECKSUMS).write_text(json.dumps({"sha256": dict(sorted(sums.items()))}, indent=1) + "\n")
         (tmp / ".complete").write_text("")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the commit point: a step_<N> directory is always complete
     _barrier("save_checkpoint")
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _corrupt(path: Path, problem: str) -> ValueError:
+    return ValueError(
+        f"load_checkpoint: {problem}: the checkpoint is corrupt, and nothing was loaded. Delete {path} to resume "
+        "from the checkpoint before it, or start over"
+    )
+
+
+def _recorded_checksums(path: Path) -> dict[str, str] | None:
+    """The checksums ``path`` records (``None`` for a checkpoint saved before checkpoints recorded them)."""
+    manifest = path / CHECKSUMS
+    if not manifest.is_file():
+        return None
+    try:
+        sums = json.loads(manifest.read_text())["sha256"]
+        if not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
+            raise TypeError("not a mapping of file names to digests")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise _corrupt(path, f"{manifest} is unreadable ({e})") from e
+    return sums
+
+
+def _problem(path: Path, name: str, want: str) -> str | None:
+    file = path / name
+    if not file.is_file():
+        return f"{file} is missing"
+    got = _sha256(file)
+    return None if got == want else f"{file} fails its checksum (sha256 {got[:16]}..., recorded {want[:16]}...)"
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check every file of the checkpoint ``path`` against the sha256 its ``checksums.json`` records; ``ValueError``
+    naming the first bad file. Collective in a process group (each rank hashes its share of the files)."""
+    path = Path(path)
+    sums = _recorded_checksums(path)
+    if sums is None:
+        logger.warning(f"warning: load_checkpoint: {path} has no {CHECKSUMS} (saved before checkpoints recorded "
+                       "checksums), so it loads unverified")
+        return
+    names = sorted(sums)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    problems = [p for name in names[rank::world] if (p := _problem(path, name, sums[name]))]
+    unlisted = sorted(p.name for p in path.iterdir() if p.name not in sums and p.name not in (CHECKSUMS, ".complete"))
+    if unlisted:
+        problems.append(f"{path / unlisted[0]} is not in its {CHECKSUMS} (added after the save?)")
+    if _distributed():
+        everyone = [None] * world
+        with _collective("load_checkpoint"):
+            dist.all_gather_object(everyone, problems)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise _corrupt(path, sorted(problems)[0])
+
+
+def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta.json`` of a ``save_checkpoint`` directory (``{"step": ..., "extra": ...}``), checked against its
+    recorded checksum (``ValueError`` if it fails). Reads nothing else; no communication."""
+    path = Path(path)
+    sums = _recorded_checksums(path)
+    if sums is not None and (problem := _problem(path, "meta.json", sums.get("meta.json", ""))):
+        raise _corrupt(path, problem)
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _corrupt(path, f"{path / 'meta.json'} is unreadable ({e})") from e
 
 
 def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
@@ -382,8 +472,9 @@ def load_checkpoint(
     changes, pick ``rng_from`` per rank (``launch/train.py`` takes the first rank of the same replica).
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). A checkpoint whose adapter shapes or names differ from the model's raises
-    ``ValueError`` listing the first mismatches, before anything is loaded.
+    ``RuntimeError`` saying so). Before anything is loaded, a file that fails its recorded checksum
+    (``verify_checkpoint``), or adapter shapes or names that differ from the model's, raise ``ValueError`` naming
+    them; a checkpoint without checksums (an older one) loads with a warning.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -391,6 +482,8 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".complete").is_file():
         raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
+    verify_checkpoint(path)  # before anything is read for loading
+    meta = checkpoint_meta(path)
     model_state, optim_state = _trainable_state(model, optimizer)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _check_fits(path, saved, model_state)
@@ -412,4 +505,4 @@ def load_checkpoint(
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / "meta.json").read_text())
+    return meta

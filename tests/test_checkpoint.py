@@ -4,6 +4,7 @@ or torn file is refused with the model unchanged, directories change as a whole.
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,68 @@ def test_a_process_without_a_group_writes_whatever_rank_torchrun_gave_it(tmp_pat
     save_checkpoint(tmp_path / "checkpoints", model, opt, step=1)
     assert (tmp_path / "adapter" / ADAPTER_WEIGHTS).is_file()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000001"
+
+
+def _saved(root: Path):
+    model = adapted(base_model())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randn(6, 12)).square().mean().backward()
+    opt.step()
+    save_checkpoint(root, model, opt, step=2, extra={"seed": 0})
+    return latest_checkpoint(root)
+
+
+def _item_offset(path: Path, prefix: str) -> tuple[str, int]:
+    """The file and the offset of the middle byte of the first DCP item whose name starts with ``prefix``."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    index, info = next((i, s) for i, s in storage.items() if i.fqn.startswith(prefix))
+    return info.relative_path, info.offset + info.length // 2
+
+
+def _flip(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01  # one bit: in meta.json the step's last digit, "2" -> "3"
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["tensor shard", "optimizer state", "metadata", "rng state", "data position"])
+def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_loading(tmp_path, kind):
+    path = _saved(tmp_path)
+    if kind in ("tensor shard", "optimizer state"):
+        name, offset = _item_offset(path, "model." if kind == "tensor shard" else "optim.")
+    else:
+        name = {"metadata": ".metadata", "rng state": "rng_rank0.pt", "data position": "meta.json"}[kind]
+        offset = (path / name).read_bytes().index(b'"step": 2') + 8 if kind == "data position" else 40
+    _flip(path / name, offset)
+    model = adapted(base_model(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before, rng = adapter_state(model), torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path / name))} fails its checksum.*Delete"):
+        load_checkpoint(path, model, opt)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert not opt.state and torch.equal(torch.get_rng_state(), rng)
+    if kind == "data position":
+        from parallel_lora.checkpoint import checkpoint_meta
+
+        with pytest.raises(ValueError, match="meta.json fails its checksum"):
+            checkpoint_meta(path)
+
+
+def test_a_checkpoint_records_a_checksum_of_every_file_it_holds(tmp_path):
+    path = _saved(tmp_path)
+    recorded = json.loads((path / "checksums.json").read_text())["sha256"]
+    assert sorted(recorded) == sorted(p.name for p in path.iterdir() if p.name not in ("checksums.json", ".complete"))
+    assert {".metadata", "__0_0.distcp", "meta.json", "rng_rank0.pt"} <= recorded.keys()
+
+
+def test_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path, capsys):
+    path = _saved(tmp_path)
+    (path / "checksums.json").unlink()  # as checkpoints were saved before they recorded checksums
+    model = adapted(base_model(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    capsys.readouterr()
+    assert load_checkpoint(path, model, opt)["step"] == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path} has no checksums.json" in err and "unverified" in err, err

@@ -286,3 +286,29 @@ def test_training_checkpoint_resumed_on_more_ranks_gives_every_rank_rank0s_rng_s
     expected = torch.randint(0, 2**62, (4,))
     for rank, drawn in enumerate(run_ranks(2, _resume_rng_rank, str(tmp_path))):
         assert torch.equal(drawn, expected), rank
+
+
+def _refused_resume_rank(root):
+    model = Pair(mesh(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = _full_adapters(model)
+    try:
+        load_checkpoint(latest_checkpoint(root), model, opt)
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = None
+    assert all(torch.equal(t, before[n]) for n, t in _full_adapters(model).items()) and not opt.state
+    return message
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp", "rng_rank1.pt"])
+def test_every_rank_refuses_a_checkpoint_with_a_flipped_byte_in_any_ranks_file(tmp_path, name):
+    # Each rank hashes its share of the files: the verdict must still reach every rank, or they would part ways.
+    run_ranks(2, _train_and_save_rank, str(tmp_path))
+    file = latest_checkpoint(tmp_path) / name
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    for message in run_ranks(2, _refused_resume_rank, str(tmp_path)):
+        assert message is not None and f"{file} fails its checksum" in message, message

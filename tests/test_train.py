@@ -308,6 +308,23 @@ def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     assert metrics(out) == metrics(run_a)
 
 
+@pytest.mark.parametrize("name", ["__1_0.distcp", "meta.json"])
+def test_resume_from_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(run_a, tmp_path, name):
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    file = out / "checkpoints" / "step_00000008" / name
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    refused = torchrun(out, *COMMON, "--resume", "--steps", "10")
+    assert refused.returncode != 0
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("train.py: error: ")]
+    assert len(errors) == 1 and f"{file} fails its checksum" in errors[0], refused.stderr
+    assert f"Delete {file.parent} to resume from the checkpoint before it" in errors[0]
+    # One line from rank 0, no rank's traceback (torchrun adds its own summary of the failed job); nothing trained.
+    assert refused.stderr.count("fails its checksum") == 1 and metrics(out) == metrics(run_a), refused.stderr
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
