@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # -- teardown: the adapter (PEFT format), the loss curve ---------------------------------------------------
     faults.at("adapter save")
-    save_adapter(model, out / "adapter")
+    save_adapter(model, out / "adapter", base_model_name_or_path=args.model)  # the toy model's: None
     if rank == 0:
         metrics.close()
         rows = read_metrics(metrics_path)

@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .files import is_stale, replace_directory, writer_tag
+from .fingerprint import base_fingerprint, describe
 from .layers import lora_modules
 from .log import logger
 from .peft_format import (
@@ -136,18 +137,41 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+def _inner(model: nn.Module) -> nn.Module:
+    """``model`` without the compile / DDP wrappers around it (whose attributes hide the model's ``config``)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or hasattr(model, "_orig_mod"):
+        model = model.module if hasattr(model, "module") else model._orig_mod
+    return model
+
+
+def _base_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """``fingerprint.base_fingerprint`` of every parameter of ``model`` but its adapters, merged layers at their
+    pre-merge weights. Collective where the base holds DTensors."""
+    adapters, before_merge = set(), {}
+    for _, m in lora_modules(model):
+        adapters.update(id(p) for factor in _FACTORS for p in getattr(m, factor).parameters())
+        if m.merged:
+            before_merge[id(m.weight)] = m._weight_before_merge
+    params = [(_unwrapped_name(model, n), p, before_merge.get(id(p)))
+              for n, p in model.named_parameters() if id(p) not in adapters]
+    return base_fingerprint(params, getattr(getattr(_inner(model), "config", None), "model_type", None))
+
+
+def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Write the adapters of ``model`` to the directory ``path``, replacing it as a whole.
 
     ``model``: a model with LoRA layers (single-device or tensor-parallel), or one bare LoRA layer (keys
     ``base_model.model.lora_A.weight`` / ``lora_B.weight``). Collective in a process group: every rank must call
     it (each gathers its shards of the full tensors; rank 0 writes, then tells every rank how it went). A failed
     or timed-out collective raises ``RuntimeError`` saying so. ``path`` must not hold files other than an
-    adapter's (``ValueError``): the directory is replaced whole.
+    adapter's (``ValueError``): the directory is replaced whole. ``base_model_name_or_path`` (default: the model
+    config's ``_name_or_path``) goes into ``adapter_config.json``, a fingerprint of the base into the tensors' header.
     """
     out = Path(path)
     modules = _adapter_modules(model)
-    config = peft_config(modules)
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(getattr(_inner(model), "config", None), "_name_or_path", None) or None
+    config = peft_config(modules, None if base_model_name_or_path is None else str(base_model_name_or_path))
     if out.exists():
         _check_adapter_only(out)
     tensors = {}
@@ -155,10 +179,11 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         for name, m in modules:
             for factor in _FACTORS:
                 tensors[peft_key(name, factor)] = _full(getattr(m, factor).weight.detach()).cpu().contiguous()
+        base = _base_fingerprint(model)
     error = None
     if _rank() == 0:
         try:
-            files = {ADAPTER_WEIGHTS: serialize(tensors, config),
+            files = {ADAPTER_WEIGHTS: serialize(tensors, config, base),
                      ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
             replace_directory(out, files, keep=("README.md",))
         except Exception as e:
@@ -173,6 +198,23 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         raise error
 
 
+def _check_base(model: nn.Module, saved: dict[str, Any], name: str | None, path: str | os.PathLike,
+                strict: bool) -> None:
+    """Warn in one line (``strict``: raise ``ValueError``) when ``model``'s base is not the one the adapter at
+    ``path`` was trained on."""
+    with _collective("load_adapter"):
+        now = _base_fingerprint(model)
+    if all(now.get(k) == saved.get(k) for k in ("model_type", "tensors", "parameters", "sha256")):
+        return
+    trained_on = f"{name!r} ({describe(saved)})" if name else describe(saved)
+    same_sizes = all(now[k] == saved.get(k) for k in ("model_type", "tensors", "parameters"))
+    differs = "has the same sizes but other weights" if same_sizes else f"is {describe(now)}"
+    message = f"load_adapter: the adapter {path} was trained on {trained_on}, and this model's base {differs}"
+    if strict:
+        raise ValueError(f"{message}; load it onto its own base")
+    logger.warning(f"warning: {message}: its outputs will not be the trained ones (strict=True refuses)")
+
+
 def _check_adapter_only(out: Path) -> None:
     if not out.is_dir():
         raise ValueError(f"save_adapter: {out} exists and is not a directory")
@@ -184,15 +226,16 @@ def _check_adapter_only(out: Path) -> None:
         )
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = False) -> nn.Module:
     """Load adapters saved by ``save_adapter`` or by PEFT into ``model`` (or into one bare LoRA layer), at any TP
     size.
 
     Checks, before touching the model: that no adapter is merged (``unmerge_lora()`` first), the tensors'
     checksum and that the config is the one saved with them (files ``save_adapter`` wrote), ``r``,
     ``lora_alpha``, the key set and every shape. On any mismatch or an unreadable/truncated file it raises
-    ``ValueError`` naming the file, key or shapes, and the model is unchanged. Every rank reads the file and
-    keeps its own shard (no communication).
+    ``ValueError`` naming the file, key or shapes, and the model is unchanged. A base other than the one the adapter
+    was trained on (its recorded fingerprint) gets a one-line warning, or ``ValueError`` with ``strict=True``. Every
+    rank reads the file and keeps its own shard; the fingerprint of DTensor weights takes one small all-reduce.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -211,7 +254,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         tensors = load(blob)
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
-    saved_with = read_record(blob, tensors, weights_path)
+    record = read_record(blob, tensors, weights_path)
 
     for name, m in modules:
         r, alpha, source = peft_rank_alpha(file_config, name)
@@ -225,8 +268,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                 f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, module '{name}' has "
                 f"{m.config.use_rslora}"
             )
-    if saved_with is not None:
-        check_saved_with(saved_with, file_config, [name for name, _ in modules], config_path)
+    if record is not None:
+        check_saved_with(record["config"], file_config, [name for name, _ in modules], config_path)
 
     # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
     normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}
@@ -251,6 +294,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     unexpected = sorted(set(normalized) - expected)
     if unexpected:
         raise ValueError(f"load_adapter: {weights_path} has tensors the model lacks, e.g. {unexpected[:4]}")
+    if record is not None and record.get("base"):  # files saved before adapters recorded their base have none
+        _check_base(model, record["base"], file_config.get("base_model_name_or_path"), path, strict)
 
     with torch.no_grad():
         for param, full in plan:

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import _adapters
 import pytest
 import torch
 import torch.nn as nn
@@ -355,3 +356,76 @@ def test_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path, capsys)
     assert load_checkpoint(path, model, opt)["step"] == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path} has no checksums.json" in err and "unverified" in err, err
+
+
+def _other_base():
+    torch.manual_seed(7)  # the same shapes, other weights: a same-shaped checkpoint of another training
+    return nn.Sequential(_adapters.Block(), _adapters.Block())
+
+
+def test_save_adapter_records_the_base_it_was_trained_on(tmp_path):
+    save_adapter(adapted(base_model()), tmp_path, base_model_name_or_path="org/base-7b")
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == "org/base-7b"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / ADAPTER_WEIGHTS, framework="pt") as f:
+        base = json.loads(f.metadata()["parallel_lora"])["base"]
+    # 2 blocks x (q_proj weight + bias, up_proj weight, down_proj weight + bias, head weight + bias)
+    assert base["tensors"] == 14 and base["parameters"] == 2 * (156 + 240 + 252 + 156) and len(base["sha256"]) == 64
+
+
+def test_loading_onto_its_own_base_says_nothing_in_any_float_dtype(tmp_path, capsys):
+    base = base_model()
+    save_adapter(adapted(base, seed=1), tmp_path)
+    capsys.readouterr()
+    load_adapter(adapted(base, seed=2), tmp_path)
+    half = adapted(base, seed=2)  # the same base loaded in bf16: its values round alike
+    for name, p in half.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    load_adapter(half, tmp_path, strict=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_loading_onto_another_base_warns_in_one_line_naming_the_trained_one(tmp_path, capsys):
+    save_adapter(adapted(base_model(), seed=1), tmp_path, base_model_name_or_path="org/base-7b")
+    capsys.readouterr()
+    model = adapted(_other_base(), seed=2)
+    load_adapter(model, tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained on 'org/base-7b'" in err and "strict=True" in err, err
+    assert torch.equal(model.state_dict()["0.q_proj.lora_B.weight"], adapter_state(adapted(base_model()))[
+        "0.q_proj.lora_B.weight"])  # it still loads
+
+
+def test_strict_refuses_another_base_and_leaves_the_model_unchanged(tmp_path):
+    save_adapter(adapted(base_model(), seed=1), tmp_path, base_model_name_or_path="org/base-7b")
+    model = adapted(_other_base(), seed=2)
+    before = adapter_state(model)
+    with pytest.raises(ValueError, match=r"trained on 'org/base-7b'.*load it onto its own base"):
+        load_adapter(model, tmp_path, strict=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_merged_model_saves_its_unmerged_bases_fingerprint(tmp_path, capsys):
+    base = base_model()
+    model = adapted(base, seed=1).eval()
+    merge_lora(model)
+    save_adapter(model, tmp_path)
+    capsys.readouterr()
+    load_adapter(adapted(base, seed=2), tmp_path, strict=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_an_adapter_without_a_base_fingerprint_still_loads_onto_any_base(tmp_path, capsys):
+    save_adapter(adapted(base_model(), seed=1), tmp_path)
+    weights = tmp_path / ADAPTER_WEIGHTS
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        record = json.loads(f.metadata()["parallel_lora"])
+    del record["base"]  # as adapters were saved before they recorded their base
+    save_file(load_file(weights), weights, metadata={"format": "pt", "parallel_lora": json.dumps(record)})
+    capsys.readouterr()
+    load_adapter(adapted(_other_base(), seed=2), tmp_path, strict=True)
+    assert capsys.readouterr().err == ""

@@ -312,3 +312,35 @@ def test_every_rank_refuses_a_checkpoint_with_a_flipped_byte_in_any_ranks_file(t
     file.write_bytes(bytes(data))
     for message in run_ranks(2, _refused_resume_rank, str(tmp_path)):
         assert message is not None and f"{file} fails its checksum" in message, message
+
+
+def _single_copy(model):
+    """One-process ``LoRALinear``s holding ``model``'s full base weights."""
+    single = nn.Module()
+    single.up, single.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    with torch.no_grad():
+        for name in ("up", "down"):
+            getattr(single, name).weight.copy_(getattr(model, name).weight.full_tensor())
+    return single
+
+
+def _fingerprint_rank(path):
+    from parallel_lora.checkpoint import _base_fingerprint
+
+    model = Pair(mesh(), seed=1)
+    if path is not None:
+        save_adapter(model, path)
+    return _base_fingerprint(model), _base_fingerprint(_single_copy(model))
+
+
+def test_the_base_fingerprint_is_the_same_at_every_tp_size(tmp_path):
+    results = [*run_ranks(2, _fingerprint_rank, str(tmp_path)), *run_ranks(4, _fingerprint_rank, None)]
+    assert all(r == results[0] for r in results) and results[0][0] == results[0][1], results
+    torch.manual_seed(1)
+    own = nn.Module()  # what Pair(seed=1) holds, built on one process
+    own.up, own.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    load_adapter(own, tmp_path, strict=True)  # saved at tp=2 onto the same base: nothing to refuse
+    other = nn.Module()
+    other.up, other.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    with pytest.raises(ValueError, match="this model's base has the same sizes but other weights"):
+        load_adapter(other, tmp_path, strict=True)
