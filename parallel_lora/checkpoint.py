@@ -8,14 +8,14 @@ Adapter files (``save_adapter`` / ``load_adapter``): a directory with
 
 The directory changes as a whole (``parallel_lora.files.replace_directory``): both files are written into a
 fresh sibling directory, synced, and swapped into place, so a reader or a crash sees the previous pair or the new
-one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data and
-the config fields that set the adapters' scale; ``load_adapter`` checks both (a file without the record, PEFT's,
-loads unchecked).
+one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data,
+the config fields that set the adapters' scale and a fingerprint of the base; ``load_adapter`` checks them (a file
+without the record, PEFT's, loads unchecked).
 
 Training state (``save_checkpoint`` / ``load_checkpoint``): ``torch.distributed.checkpoint`` (sharded,
-reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states, in
-``<dir>/step_<N>``. The directory is written under a ``.tmp`` name and renamed once every rank has
-finished, so an interrupted save is never picked up as the latest.
+reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states and the sha256
+of every file, in ``<dir>/step_<N>``. The directory is written under a ``.tmp-<pid>@<host>`` name and renamed once
+every rank has finished, so an interrupted save is never picked up as the latest; a load verifies every file first.
 
 Every call that communicates (``save_adapter`` and ``load_checkpoint`` / ``save_checkpoint`` in a process
 group) must be made by every rank. When one of its collectives fails or times out (a rank that did not call
