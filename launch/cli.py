@@ -9,7 +9,6 @@ same command line, so usage, ``--help`` and errors print on rank 0 only; a bad f
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ from data import data_file_problem
 from model import PRESETS, check_tp, config_for
 
 from parallel_lora import latest_checkpoint
+from parallel_lora.checkpoint import checkpoint_meta
 from parallel_lora.dropout import P_RANGE, valid_p
 from parallel_lora.log import rank
 
@@ -231,7 +231,10 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
     latest = latest_checkpoint(out / "checkpoints") if args.resume else None
     if latest is None:
         return None
-    saved = saved_run(latest)
+    try:
+        saved = saved_run(latest)
+    except ValueError as e:  # its meta.json fails its checksum
+        return f"--resume: {e}"
     if "preset" in saved and (saved.get("model") is None) != (args.model is None):
         then, now = _trained(saved.get("model"), saved["preset"]), _trained(args.model, args.preset)
         return (f"--resume: {latest} was saved by a run on {then}, and its adapters do not fit a run on {now}. Resume "
@@ -246,8 +249,9 @@ def _output_dir_problem(args: argparse.Namespace) -> str | None:
 
 
 def saved_run(checkpoint: Path) -> dict:
-    """The flags a launcher checkpoint was saved with (``RUN_KEYS``, and ``tp``), from its ``meta.json``."""
-    return json.loads((checkpoint / "meta.json").read_text()).get("extra", {})
+    """The flags a launcher checkpoint was saved with (``RUN_KEYS``, and ``tp``), from its ``meta.json`` (checked
+    against its checksum: ``ValueError``)."""
+    return checkpoint_meta(checkpoint).get("extra", {})
 
 
 def _trained(model: str | None, preset: str | None) -> str:

@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Check
     p.add_argument("--compare", action="store_true", help="also print the base model's completion")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="base weights' dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse an adapter trained on another base (by default: one warning line)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait for the other ranks before the job stops (default 300)")
     args = p.parse_args(argv)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     faults.at("model load")
     model = from_pretrained(checkpoint, configs, mesh=mesh, dtype=dtype, device=device)
     try:
-        load_adapter(model, args.adapter)
+        load_adapter(model, args.adapter, strict=args.strict)  # another base: a warning, or refused under --strict
     except ValueError as e:
         faults.refuse(f"--adapter: {e}")
 

@@ -41,6 +41,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
+import leftovers  # noqa: E402
 from cli import RUN_KEYS, RUN_OUTPUTS, parse_args, saved_run  # noqa: E402
 from data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
 from model import Transformer, config_for  # noqa: E402
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"warning: resuming with changed {changed} (checkpoint, now): losses will differ from the "
                   "uninterrupted run")
     if rank == 0:
+        if swept := leftovers.sweep(out):  # temporaries of writes an earlier, killed run left (their writer is gone)
+            print(swept)
         if args.overwrite:
             for name in RUN_OUTPUTS:  # the earlier run's outputs only: anything else in the directory stays
                 path = out / name
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # -- teardown: the adapter (PEFT format), the loss curve ---------------------------------------------------
     faults.at("adapter save")
-    save_adapter(model, out / "adapter")
+    save_adapter(model, out / "adapter", base_model_name_or_path=args.model)  # the toy model's: None
     if rank == 0:
         metrics.close()
         rows = read_metrics(metrics_path)

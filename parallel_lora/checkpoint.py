@@ -8,14 +8,14 @@ Adapter files (``save_adapter`` / ``load_adapter``): a directory with
 
 The directory changes as a whole (``parallel_lora.files.replace_directory``): both files are written into a
 fresh sibling directory, synced, and swapped into place, so a reader or a crash sees the previous pair or the new
-one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data and
-the config fields that set the adapters' scale; ``load_adapter`` checks both (a file without the record, PEFT's,
-loads unchecked).
+one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data,
+the config fields that set the adapters' scale and a fingerprint of the base; ``load_adapter`` checks them (a file
+without the record, PEFT's, loads unchecked).
 
 Training state (``save_checkpoint`` / ``load_checkpoint``): ``torch.distributed.checkpoint`` (sharded,
-reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states, in
-``<dir>/step_<N>``. The directory is written under a ``.tmp`` name and renamed once every rank has
-finished, so an interrupted save is never picked up as the latest.
+reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states and the sha256
+of every file, in ``<dir>/step_<N>``. The directory is written under a ``.tmp-<pid>@<host>`` name and renamed once
+every rank has finished, so an interrupted save is never picked up as the latest; a load verifies every file first.
 
 Every call that communicates (``save_adapter`` and ``load_checkpoint`` / ``save_checkpoint`` in a process
 group) must be made by every rank. When one of its collectives fails or times out (a rank that did not call
@@ -25,6 +25,7 @@ it, or died), it raises ``RuntimeError`` saying so rather than a backend's bare 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -38,8 +39,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .files import replace_directory
+from .files import is_stale, replace_directory, writer_tag
+from .fingerprint import base_fingerprint, describe
 from .layers import lora_modules
+from .log import logger
 from .peft_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -134,18 +137,41 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+def _inner(model: nn.Module) -> nn.Module:
+    """``model`` without the compile / DDP wrappers around it (whose attributes hide the model's ``config``)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or hasattr(model, "_orig_mod"):
+        model = model.module if hasattr(model, "module") else model._orig_mod
+    return model
+
+
+def _base_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """``fingerprint.base_fingerprint`` of every parameter of ``model`` but its adapters, merged layers at their
+    pre-merge weights. Collective where the base holds DTensors."""
+    adapters, before_merge = set(), {}
+    for _, m in lora_modules(model):
+        adapters.update(id(p) for factor in _FACTORS for p in getattr(m, factor).parameters())
+        if m.merged:
+            before_merge[id(m.weight)] = m._weight_before_merge
+    params = [(_unwrapped_name(model, n), p, before_merge.get(id(p)))
+              for n, p in model.named_parameters() if id(p) not in adapters]
+    return base_fingerprint(params, getattr(getattr(_inner(model), "config", None), "model_type", None))
+
+
+def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
     """Write the adapters of ``model`` to the directory ``path``, replacing it as a whole.
 
     ``model``: a model with LoRA layers (single-device or tensor-parallel), or one bare LoRA layer (keys
     ``base_model.model.lora_A.weight`` / ``lora_B.weight``). Collective in a process group: every rank must call
     it (each gathers its shards of the full tensors; rank 0 writes, then tells every rank how it went). A failed
     or timed-out collective raises ``RuntimeError`` saying so. ``path`` must not hold files other than an
-    adapter's (``ValueError``): the directory is replaced whole.
+    adapter's (``ValueError``): the directory is replaced whole. ``base_model_name_or_path`` (default: the model
+    config's ``_name_or_path``) goes into ``adapter_config.json``, a fingerprint of the base into the tensors' header.
     """
     out = Path(path)
     modules = _adapter_modules(model)
-    config = peft_config(modules)
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(getattr(_inner(model), "config", None), "_name_or_path", None) or None
+    config = peft_config(modules, None if base_model_name_or_path is None else str(base_model_name_or_path))
     if out.exists():
         _check_adapter_only(out)
     tensors = {}
@@ -153,10 +179,11 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         for name, m in modules:
             for factor in _FACTORS:
                 tensors[peft_key(name, factor)] = _full(getattr(m, factor).weight.detach()).cpu().contiguous()
+        base = _base_fingerprint(model)
     error = None
     if _rank() == 0:
         try:
-            files = {ADAPTER_WEIGHTS: serialize(tensors, config),
+            files = {ADAPTER_WEIGHTS: serialize(tensors, config, base),
                      ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
             replace_directory(out, files, keep=("README.md",))
         except Exception as e:
@@ -171,6 +198,23 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         raise error
 
 
+def _check_base(model: nn.Module, saved: dict[str, Any], name: str | None, path: str | os.PathLike,
+                strict: bool) -> None:
+    """Warn in one line (``strict``: raise ``ValueError``) when ``model``'s base is not the one the adapter at
+    ``path`` was trained on."""
+    with _collective("load_adapter"):
+        now = _base_fingerprint(model)
+    if all(now.get(k) == saved.get(k) for k in ("model_type", "tensors", "parameters", "sha256")):
+        return
+    trained_on = f"{name!r} ({describe(saved)})" if name else describe(saved)
+    same_sizes = all(now[k] == saved.get(k) for k in ("model_type", "tensors", "parameters"))
+    differs = "has the same sizes but other weights" if same_sizes else f"is {describe(now)}"
+    message = f"load_adapter: the adapter {path} was trained on {trained_on}, and this model's base {differs}"
+    if strict:
+        raise ValueError(f"{message}; load it onto its own base")
+    logger.warning(f"warning: {message}: its outputs will not be the trained ones (strict=True refuses)")
+
+
 def _check_adapter_only(out: Path) -> None:
     if not out.is_dir():
         raise ValueError(f"save_adapter: {out} exists and is not a directory")
@@ -182,15 +226,16 @@ def _check_adapter_only(out: Path) -> None:
         )
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = False) -> nn.Module:
     """Load adapters saved by ``save_adapter`` or by PEFT into ``model`` (or into one bare LoRA layer), at any TP
     size.
 
     Checks, before touching the model: that no adapter is merged (``unmerge_lora()`` first), the tensors'
     checksum and that the config is the one saved with them (files ``save_adapter`` wrote), ``r``,
     ``lora_alpha``, the key set and every shape. On any mismatch or an unreadable/truncated file it raises
-    ``ValueError`` naming the file, key or shapes, and the model is unchanged. Every rank reads the file and
-    keeps its own shard (no communication).
+    ``ValueError`` naming the file, key or shapes, and the model is unchanged. A base other than the one the adapter
+    was trained on (its recorded fingerprint) gets a one-line warning, or ``ValueError`` with ``strict=True``. Every
+    rank reads the file and keeps its own shard; the fingerprint of DTensor weights takes one small all-reduce.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -209,7 +254,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         tensors = load(blob)
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"load_adapter: cannot read {weights_path} (truncated or corrupt?): {e}") from e
-    saved_with = read_record(blob, tensors, weights_path)
+    record = read_record(blob, tensors, weights_path)
 
     for name, m in modules:
         r, alpha, source = peft_rank_alpha(file_config, name)
@@ -223,8 +268,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                 f"load_adapter: file has use_rslora={file_config.get('use_rslora')}, module '{name}' has "
                 f"{m.config.use_rslora}"
             )
-    if saved_with is not None:
-        check_saved_with(saved_with, file_config, [name for name, _ in modules], config_path)
+    if record is not None:
+        check_saved_with(record["config"], file_config, [name for name, _ in modules], config_path)
 
     # PEFT names adapter weights "<path>.lora_A.weight", or "<path>.lora_A.<adapter>.weight" in memory.
     normalized = {re.sub(r"\.(lora_[AB])\.default\.weight$", r".\1.weight", k): v for k, v in tensors.items()}
@@ -249,6 +294,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     unexpected = sorted(set(normalized) - expected)
     if unexpected:
         raise ValueError(f"load_adapter: {weights_path} has tensors the model lacks, e.g. {unexpected[:4]}")
+    if record is not None and record.get("base"):  # files saved before adapters recorded their base have none
+        _check_base(model, record["base"], file_config.get("base_model_name_or_path"), path, strict)
 
     with torch.no_grad():
         for param, full in plan:
@@ -265,6 +312,24 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 # -- training-state checkpoints ------------------------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+CHECKSUMS = "checksums.json"  # a checkpoint's {"sha256": {file name: hex digest}} of every other file in it
+# A save in progress (or killed): ``step_<N>.tmp-<pid>@<host>`` of the rank 0 that publishes it (untagged: older).
+_STEP_TMP = re.compile(r"^step_(?P<step>\d+)\.tmp(?:-(?P<tag>\d+@[A-Za-z0-9._-]+))?$")
+
+
+def remove_stale_checkpoint_temporaries(root: str | os.PathLike, step: int | None = None) -> list[Path]:
+    """Remove the ``step_<N>.tmp-*`` directories under ``root`` (of ``step`` only, if given) whose writer is gone;
+    returns them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        m = _STEP_TMP.match(p.name)
+        if m and (step is None or int(m["step"]) == step) and is_stale(p, m["tag"]):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -296,30 +361,122 @@ def save_checkpoint(
     """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``.
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). Written to ``step_<step>.tmp`` first, marked complete, and renamed by rank 0
-    after a barrier.
+    ``RuntimeError`` saying so). Written to ``step_<step>.tmp-<pid>@<host>`` (rank 0's) first, marked complete, and
+    renamed by rank 0 after a barrier; stale temporaries of the step are removed first.
     """
     import torch.distributed.checkpoint as dcp
 
     root = Path(root)
-    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+    final = root / f"step_{step:08d}"
+    names = [f"step_{step:08d}.tmp-{writer_tag()}"]
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier("save_checkpoint")
+        remove_stale_checkpoint_temporaries(root, step)
+        shutil.rmtree(root / names[0], ignore_errors=True)  # this process's own earlier attempt, if one failed
+        (root / names[0]).mkdir(parents=True)
+    if _distributed():  # every rank writes into rank 0's directory, which exists once this returns
+        with _collective("save_checkpoint"):
+            dist.broadcast_object_list(names, src=0)
+    tmp = root / names[0]
     model_state, optim_state = _trainable_state(model, optimizer)
     with _collective("save_checkpoint"):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
-    _barrier("save_checkpoint")
     if _rank() == 0:
-        meta = {"step": step, "extra": extra or {}}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
+    # Each rank hashes the files it wrote (DCP names a rank's shards __<rank>_<n>.distcp); rank 0 also the rest.
+    mine = re.compile(rf"^(__{_rank()}_\d+\.distcp|rng_rank{_rank()}\.pt)$")
+    sums = {p.name: _sha256(p) for p in tmp.iterdir() if mine.match(p.name)}
+    gathered = [sums]
+    if _distributed():
+        gathered = [None] * dist.get_world_size() if _rank() == 0 else None
+        with _collective("save_checkpoint"):
+            dist.gather_object(sums, gathered, dst=0)
+    if _rank() == 0:
+        sums = {name: digest for part in gathered for name, digest in part.items()}
+        for p in tmp.iterdir():
+            if p.name not in sums and p.is_file():  # .metadata, meta.json, and whatever DCP names otherwise
+                sums[p.name] = _sha256(p)
+        # Written last, then the marker, both before the rename that publishes the directory.
+        (tmp / CHECKSUMS).write_text(json.dumps({"sha256": dict(sorted(sums.items()))}, indent=1) + "\n")
         (tmp / ".complete").write_text("")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the commit point: a step_<N> directory is always complete
     _barrier("save_checkpoint")
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _corrupt(path: Path, problem: str) -> ValueError:
+    return ValueError(
+        f"load_checkpoint: {problem}: the checkpoint is corrupt, and nothing was loaded. Delete {path} to resume "
+        "from the checkpoint before it, or start over"
+    )
+
+
+def _recorded_checksums(path: Path) -> dict[str, str] | None:
+    """The checksums ``path`` records (``None`` for a checkpoint saved before checkpoints recorded them)."""
+    manifest = path / CHECKSUMS
+    if not manifest.is_file():
+        return None
+    try:
+        sums = json.loads(manifest.read_text())["sha256"]
+        if not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
+            raise TypeError("not a mapping of file names to digests")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise _corrupt(path, f"{manifest} is unreadable ({e})") from e
+    return sums
+
+
+def _problem(path: Path, name: str, want: str) -> str | None:
+    file = path / name
+    if not file.is_file():
+        return f"{file} is missing"
+    got = _sha256(file)
+    return None if got == want else f"{file} fails its checksum (sha256 {got[:16]}..., recorded {want[:16]}...)"
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check every file of the checkpoint ``path`` against the sha256 its ``checksums.json`` records; ``ValueError``
+    naming the first bad file. Collective in a process group (each rank hashes its share of the files)."""
+    path = Path(path)
+    sums = _recorded_checksums(path)
+    if sums is None:
+        logger.warning(f"warning: load_checkpoint: {path} has no {CHECKSUMS} (saved before checkpoints recorded "
+                       "checksums), so it loads unverified")
+        return
+    names = sorted(sums)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    problems = [p for name in names[rank::world] if (p := _problem(path, name, sums[name]))]
+    unlisted = sorted(p.name for p in path.iterdir() if p.name not in sums and p.name not in (CHECKSUMS, ".complete"))
+    if unlisted:
+        problems.append(f"{path / unlisted[0]} is not in its {CHECKSUMS} (added after the save?)")
+    if _distributed():
+        everyone = [None] * world
+        with _collective("load_checkpoint"):
+            dist.all_gather_object(everyone, problems)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise _corrupt(path, sorted(problems)[0])
+
+
+def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``meta.json`` of a ``save_checkpoint`` directory (``{"step": ..., "extra": ...}``), checked against its
+    recorded checksum (``ValueError`` if it fails). Reads nothing else; no communication."""
+    path = Path(path)
+    sums = _recorded_checksums(path)
+    if sums is not None and (problem := _problem(path, "meta.json", sums.get("meta.json", ""))):
+        raise _corrupt(path, problem)
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _corrupt(path, f"{path / 'meta.json'} is unreadable ({e})") from e
 
 
 def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
@@ -360,8 +517,9 @@ def load_checkpoint(
     changes, pick ``rng_from`` per rank (``launch/train.py`` takes the first rank of the same replica).
 
     Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). A checkpoint whose adapter shapes or names differ from the model's raises
-    ``ValueError`` listing the first mismatches, before anything is loaded.
+    ``RuntimeError`` saying so). Before anything is loaded, a file that fails its recorded checksum
+    (``verify_checkpoint``), or adapter shapes or names that differ from the model's, raise ``ValueError`` naming
+    them; a checkpoint without checksums (an older one) loads with a warning.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -369,6 +527,8 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".complete").is_file():
         raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
+    verify_checkpoint(path)  # before anything is read for loading
+    meta = checkpoint_meta(path)
     model_state, optim_state = _trainable_state(model, optimizer)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _check_fits(path, saved, model_state)
@@ -390,4 +550,4 @@ def load_checkpoint(
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / "meta.json").read_text())
+    return meta

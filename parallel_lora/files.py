@@ -1,16 +1,104 @@
-"""Replacing a file or a directory as a whole: readers and crashes see the old contents or the new, never a mix."""
+"""Replacing a file or a directory as a whole: readers and crashes see the old contents or the new, never a mix.
+
+Temporaries are named ``.<name>.new-<hex>-<pid>@<host>`` (and ``.old-``) beside the path they replace, so a later
+writer can tell one whose process is gone (killed mid-write) from one being written now: see docs/launcher.md.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import re
 import secrets
 import shutil
+import socket
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
+_TAG = r"(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)"
+# Untagged names are what writers made before temporaries named their writer.
+_TEMPORARY = re.compile(rf"^\.(?P<target>.+)\.(?P<kind>new|old)-[0-9a-f]{{8}}(?:-{_TAG})?$")
+
+
+def writer_tag() -> str:
+    """``<pid>@<host>`` of this process, which the temporaries it writes carry."""
+    return f"{os.getpid()}@{HOST}"
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch, to about a second), where Linux's /proc tells."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the parenthesised command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def writer_gone(tag: str | None, since: float | None = None) -> bool:
+    """Whether the writer ``tag`` (``<pid>@<host>``) names is gone: untagged (an older writer's), or of this host with
+    no such process, or whose pid now belongs to a process started after ``since`` (the temporary's last write).
+    Another host's writer cannot be checked from here, so it is never gone."""
+    if tag is None:
+        return True
+    match = re.fullmatch(_TAG, tag)
+    if match is None or match["host"] != HOST:
+        return False
+    pid = int(match["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        pass
+    started = _started_at(pid) if since is not None else None
+    return started is not None and started > since + 1.0  # /proc's boot time has one-second resolution
+
+
+def _last_write(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
+
+
+def is_stale(path: Path, tag: str | None) -> bool:
+    """Whether the temporary ``path``, written by ``tag``, is left over: its writer is gone."""
+    return writer_gone(tag, since=_last_write(path))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries ``replace_file`` / ``replace_directory`` left beside ``path`` whose writer is gone;
+    returns them. An ``.old-`` directory is kept while ``path`` does not exist: it then holds the only copy."""
+    out = Path(path)
+    if not out.parent.is_dir():
+        return []
+    removed = []
+    for p in sorted(out.parent.iterdir()):
+        m = _TEMPORARY.match(p.name)
+        if m is None or m["target"] != out.name or (m["kind"] == "old" and not out.exists()):
+            continue
+        if is_stale(p, f"{m['pid']}@{m['host']}" if m["pid"] else None):
+            _remove(p)
+            removed.append(p)
+    return removed
+
+
+def _temporary(out: Path, kind: str, tag: str) -> Path:
+    return out.parent / f".{out.name}.{kind}-{tag}-{writer_tag()}"
 
 
 def _fsync_path(path: Path) -> None:
@@ -31,9 +119,10 @@ def _write_synced(path: Path, data: bytes) -> None:
 def replace_file(path: str | os.PathLike, data: bytes) -> None:
     """Make ``path`` a file holding ``data``, replacing what was there in one step: ``data`` is written and fsynced
     to a temporary file beside it, which ``os.replace`` renames over ``path``. Any failure before the rename
-    leaves ``path`` untouched (and no temporary file)."""
+    leaves ``path`` untouched (and no temporary file); stale temporaries of ``path`` are removed first."""
     out = Path(path)
-    tmp = out.parent / f".{out.name}.new-{secrets.token_hex(4)}"
+    remove_stale_temporaries(out)
+    tmp = _temporary(out, "new", secrets.token_hex(4))
     try:
         _write_synced(tmp, data)
         os.replace(tmp, out)
@@ -65,12 +154,14 @@ def replace_directory(path: str | os.PathLike, files: dict[str, bytes], keep: It
     The files are written and fsynced into a fresh sibling directory, which is then swapped with ``path`` in one
     atomic exchange (or renamed into place when ``path`` does not exist). Any failure before the swap leaves
     ``path`` untouched. Without an atomic exchange (not Linux, or a filesystem without it) the swap is two
-    renames: a crash between them leaves the previous directory at ``.<name>.old-<hex>`` beside ``path``.
+    renames: a crash between them leaves the previous directory at ``.<name>.old-<hex>-<pid>@<host>`` beside
+    ``path``. Stale temporaries of ``path`` (``remove_stale_temporaries``) are removed first.
     """
     out = Path(path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     tag = secrets.token_hex(4)
-    new = out.parent / f".{out.name}.new-{tag}"
+    new = _temporary(out, "new", tag)
     new.mkdir()
     try:
         for name, data in files.items():
@@ -82,7 +173,7 @@ def replace_directory(path: str | os.PathLike, files: dict[str, bytes], keep: It
         if not out.exists():
             os.rename(new, out)
         elif not _exchange(new, out):
-            old = out.parent / f".{out.name}.old-{tag}"
+            old = _temporary(out, "old", tag)
             os.rename(out, old)
             os.rename(new, out)
             shutil.rmtree(old)

@@ -35,7 +35,7 @@ def peft_key(name: str, factor: str) -> str:
     return PEFT_PREFIX + ".".join(p for p in (name, factor, "weight") if p)
 
 
-def peft_config(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+def peft_config(modules: list[tuple[str, nn.Module]], base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` contents PEFT writes for these adapters (``_adapter_modules`` of a model).
 
     Layers may differ in ``r`` and ``alpha`` (``apply_lora`` called with several configs): the most common pair
@@ -53,7 +53,7 @@ def peft_config(modules: list[tuple[str, nn.Module]]) -> dict[str, Any]:
     return {
         "peft_type": "LORA",
         "task_type": None,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model_name_or_path,
         "revision": None,
         "r": r,
         "lora_alpha": alpha,
@@ -101,12 +101,14 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> bytes:
-    """The safetensors file of ``tensors``, its header recording their sha256 (``tensors_sha256``) and ``config``'s
-    scale fields. PEFT and safetensors pass header metadata through untouched."""
+def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any], base: dict[str, Any] | None = None) -> bytes:
+    """The safetensors file of ``tensors``, its header recording their sha256 (``tensors_sha256``), ``config``'s
+    scale fields and the ``base`` fingerprint. PEFT and safetensors pass header metadata through untouched."""
     from safetensors.torch import save
 
     record = {"sha256": tensors_sha256(tensors), "config": {k: config[k] for k in SCALE_FIELDS}}
+    if base is not None:
+        record["base"] = base
     return save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)})
 
 
@@ -185,8 +187,8 @@ def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Pat
 
 def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Path) -> dict[str, Any] | None:
     """Verify the sha256 that ``save_adapter`` recorded in the header of the tensors file ``blob`` (read from
-    ``weights_path``; ``tensors``: its contents), and return the config fields recorded beside it; ``None`` for a
-    file without the record (PEFT's), which is not checked."""
+    ``weights_path``; ``tensors``: its contents), and return the record: ``"config"`` (the scale fields) and, in files
+    that have it, ``"base"`` (the base's fingerprint); ``None`` for a file without the record (PEFT's)."""
     try:
         metadata = _header(blob).get("__metadata__") or {}
     except ValueError as e:
@@ -195,8 +197,9 @@ def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Pat
         return None
     try:
         record = json.loads(metadata[RECORD])
-        saved = record["config"]
         want = record["sha256"]
+        if not isinstance(record["config"], dict) or not isinstance(record.get("base", {}), dict):
+            raise TypeError("config or base is not an object")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"load_adapter: {weights_path} has an unreadable '{RECORD}' record (corrupt?): {e}") from e
     got = tensors_sha256(tensors)
@@ -205,7 +208,7 @@ def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Pat
             f"load_adapter: {weights_path} fails its checksum (sha256 of the tensor data {got[:16]}..., recorded "
             f"{want[:16]}...): the file is corrupt; copy or save it again"
         )
-    return saved
+    return record
 
 
 def check_saved_with(saved: dict[str, Any], file_config: dict, names: list[str], config_path: Path) -> None:

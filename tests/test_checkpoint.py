@@ -4,8 +4,10 @@ or torn file is refused with the model unchanged, directories change as a whole.
 
 import json
 import os
+import re
 from pathlib import Path
 
+import _adapters
 import pytest
 import torch
 import torch.nn as nn
@@ -289,3 +291,141 @@ def test_a_process_without_a_group_writes_whatever_rank_torchrun_gave_it(tmp_pat
     save_checkpoint(tmp_path / "checkpoints", model, opt, step=1)
     assert (tmp_path / "adapter" / ADAPTER_WEIGHTS).is_file()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000001"
+
+
+def _saved(root: Path):
+    model = adapted(base_model())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randn(6, 12)).square().mean().backward()
+    opt.step()
+    save_checkpoint(root, model, opt, step=2, extra={"seed": 0})
+    return latest_checkpoint(root)
+
+
+def _item_offset(path: Path, prefix: str) -> tuple[str, int]:
+    """The file and the offset of the middle byte of the first DCP item whose name starts with ``prefix``."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    index, info = next((i, s) for i, s in storage.items() if i.fqn.startswith(prefix))
+    return info.relative_path, info.offset + info.length // 2
+
+
+def _flip(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01  # one bit: in meta.json the step's last digit, "2" -> "3"
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["tensor shard", "optimizer state", "metadata", "rng state", "data position"])
+def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_loading(tmp_path, kind):
+    path = _saved(tmp_path)
+    if kind in ("tensor shard", "optimizer state"):
+        name, offset = _item_offset(path, "model." if kind == "tensor shard" else "optim.")
+    else:
+        name = {"metadata": ".metadata", "rng state": "rng_rank0.pt", "data position": "meta.json"}[kind]
+        offset = (path / name).read_bytes().index(b'"step": 2') + 8 if kind == "data position" else 40
+    _flip(path / name, offset)
+    model = adapted(base_model(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before, rng = adapter_state(model), torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path / name))} fails its checksum.*Delete"):
+        load_checkpoint(path, model, opt)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert not opt.state and torch.equal(torch.get_rng_state(), rng)
+    if kind == "data position":
+        from parallel_lora.checkpoint import checkpoint_meta
+
+        with pytest.raises(ValueError, match="meta.json fails its checksum"):
+            checkpoint_meta(path)
+
+
+def test_a_checkpoint_records_a_checksum_of_every_file_it_holds(tmp_path):
+    path = _saved(tmp_path)
+    recorded = json.loads((path / "checksums.json").read_text())["sha256"]
+    assert sorted(recorded) == sorted(p.name for p in path.iterdir() if p.name not in ("checksums.json", ".complete"))
+    assert {".metadata", "__0_0.distcp", "meta.json", "rng_rank0.pt"} <= recorded.keys()
+
+
+def test_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path, capsys):
+    path = _saved(tmp_path)
+    (path / "checksums.json").unlink()  # as checkpoints were saved before they recorded checksums
+    model = adapted(base_model(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    capsys.readouterr()
+    assert load_checkpoint(path, model, opt)["step"] == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path} has no checksums.json" in err and "unverified" in err, err
+
+
+def _other_base():
+    torch.manual_seed(7)  # the same shapes, other weights: a same-shaped checkpoint of another training
+    return nn.Sequential(_adapters.Block(), _adapters.Block())
+
+
+def test_save_adapter_records_the_base_it_was_trained_on(tmp_path):
+    save_adapter(adapted(base_model()), tmp_path, base_model_name_or_path="org/base-7b")
+    assert json.loads((tmp_path / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == "org/base-7b"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / ADAPTER_WEIGHTS, framework="pt") as f:
+        base = json.loads(f.metadata()["parallel_lora"])["base"]
+    # 2 blocks x (q_proj weight + bias, up_proj weight, down_proj weight + bias, head weight + bias)
+    assert base["tensors"] == 14 and base["parameters"] == 2 * (156 + 240 + 252 + 156) and len(base["sha256"]) == 64
+
+
+def test_loading_onto_its_own_base_says_nothing_in_any_float_dtype(tmp_path, capsys):
+    base = base_model()
+    save_adapter(adapted(base, seed=1), tmp_path)
+    capsys.readouterr()
+    load_adapter(adapted(base, seed=2), tmp_path)
+    half = adapted(base, seed=2)  # the same base loaded in bf16: its values round alike
+    for name, p in half.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    load_adapter(half, tmp_path, strict=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_loading_onto_another_base_warns_in_one_line_naming_the_trained_one(tmp_path, capsys):
+    save_adapter(adapted(base_model(), seed=1), tmp_path, base_model_name_or_path="org/base-7b")
+    capsys.readouterr()
+    model = adapted(_other_base(), seed=2)
+    load_adapter(model, tmp_path)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained on 'org/base-7b'" in err and "strict=True" in err, err
+    assert torch.equal(model.state_dict()["0.q_proj.lora_B.weight"], adapter_state(adapted(base_model()))[
+        "0.q_proj.lora_B.weight"])  # it still loads
+
+
+def test_strict_refuses_another_base_and_leaves_the_model_unchanged(tmp_path):
+    save_adapter(adapted(base_model(), seed=1), tmp_path, base_model_name_or_path="org/base-7b")
+    model = adapted(_other_base(), seed=2)
+    before = adapter_state(model)
+    with pytest.raises(ValueError, match=r"trained on 'org/base-7b'.*load it onto its own base"):
+        load_adapter(model, tmp_path, strict=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_merged_model_saves_its_unmerged_bases_fingerprint(tmp_path, capsys):
+    base = base_model()
+    model = adapted(base, seed=1).eval()
+    merge_lora(model)
+    save_adapter(model, tmp_path)
+    capsys.readouterr()
+    load_adapter(adapted(base, seed=2), tmp_path, strict=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_an_adapter_without_a_base_fingerprint_still_loads_onto_any_base(tmp_path, capsys):
+    save_adapter(adapted(base_model(), seed=1), tmp_path)
+    weights = tmp_path / ADAPTER_WEIGHTS
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        record = json.loads(f.metadata()["parallel_lora"])
+    del record["base"]  # as adapters were saved before they recorded their base
+    save_file(load_file(weights), weights, metadata={"format": "pt", "parallel_lora": json.dumps(record)})
+    capsys.readouterr()
+    load_adapter(adapted(_other_base(), seed=2), tmp_path, strict=True)
+    assert capsys.readouterr().err == ""

@@ -286,3 +286,61 @@ def test_training_checkpoint_resumed_on_more_ranks_gives_every_rank_rank0s_rng_s
     expected = torch.randint(0, 2**62, (4,))
     for rank, drawn in enumerate(run_ranks(2, _resume_rng_rank, str(tmp_path))):
         assert torch.equal(drawn, expected), rank
+
+
+def _refused_resume_rank(root):
+    model = Pair(mesh(), seed=5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = _full_adapters(model)
+    try:
+        load_checkpoint(latest_checkpoint(root), model, opt)
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = None
+    assert all(torch.equal(t, before[n]) for n, t in _full_adapters(model).items()) and not opt.state
+    return message
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp", "rng_rank1.pt"])
+def test_every_rank_refuses_a_checkpoint_with_a_flipped_byte_in_any_ranks_file(tmp_path, name):
+    # Each rank hashes its share of the files: the verdict must still reach every rank, or they would part ways.
+    run_ranks(2, _train_and_save_rank, str(tmp_path))
+    file = latest_checkpoint(tmp_path) / name
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    for message in run_ranks(2, _refused_resume_rank, str(tmp_path)):
+        assert message is not None and f"{file} fails its checksum" in message, message
+
+
+def _single_copy(model):
+    """One-process ``LoRALinear``s holding ``model``'s full base weights."""
+    single = nn.Module()
+    single.up, single.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    with torch.no_grad():
+        for name in ("up", "down"):
+            getattr(single, name).weight.copy_(getattr(model, name).weight.full_tensor())
+    return single
+
+
+def _fingerprint_rank(path):
+    from parallel_lora.checkpoint import _base_fingerprint
+
+    model = Pair(mesh(), seed=1)
+    if path is not None:
+        save_adapter(model, path)
+    return _base_fingerprint(model), _base_fingerprint(_single_copy(model))
+
+
+def test_the_base_fingerprint_is_the_same_at_every_tp_size(tmp_path):
+    results = [*run_ranks(2, _fingerprint_rank, str(tmp_path)), *run_ranks(4, _fingerprint_rank, None)]
+    assert all(r == results[0] for r in results) and results[0][0] == results[0][1], results
+    torch.manual_seed(1)
+    own = nn.Module()  # what Pair(seed=1) holds, built on one process
+    own.up, own.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    load_adapter(own, tmp_path, strict=True)  # saved at tp=2 onto the same base: nothing to refuse
+    other = nn.Module()
+    other.up, other.down = LoRALinear(8, 16, CONFIG), LoRALinear(16, 8, CONFIG)
+    with pytest.raises(ValueError, match="this model's base has the same sizes but other weights"):
+        load_adapter(other, tmp_path, strict=True)

@@ -83,6 +83,21 @@ def test_generate_prints_the_adapted_and_the_base_completion(model_and_adapter, 
     want = _reference(model_dir, adapter)
     assert want["adapter"] != want["base"], "the adapter must change the completion for this test to mean anything"
     assert _printed(proc.stdout) == want, proc.stdout
+    assert "was trained on" not in proc.stderr, proc.stderr  # its own base, split or not: nothing to say
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict-refuses"])
+def test_generate_on_another_same_shaped_base_warns_once_or_refuses_under_strict(model_and_adapter, tmp_path, strict):
+    model_dir, adapter = model_and_adapter
+    other = _hf.write_checkpoint(tmp_path / "other", seed=1)
+    proc = _generate("--model", str(other), "--adapter", str(adapter), "--prompt", PROMPT, "--max-new-tokens", "2",
+                     *(["--strict"] if strict else []), nproc=2)
+    lines = [line for line in proc.stderr.splitlines() if "was trained on" in line]
+    assert len(lines) == 1 and f"trained on '{model_dir}' (llama with " in lines[0], proc.stderr
+    if strict:
+        assert proc.returncode != 0 and lines[0].startswith("generate.py: error: --adapter: load_adapter: ")
+    else:
+        assert proc.returncode == 0 and lines[0].startswith("warning: load_adapter: "), proc.stderr
 
 
 def test_generate_refuses_a_missing_model_or_adapter_with_a_message(model_and_adapter, tmp_path):

@@ -308,6 +308,55 @@ def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     assert metrics(out) == metrics(run_a)
 
 
+@pytest.mark.parametrize("name", ["__1_0.distcp", "meta.json"])
+def test_resume_from_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(run_a, tmp_path, name):
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    file = out / "checkpoints" / "step_00000008" / name
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    refused = torchrun(out, *COMMON, "--resume", "--steps", "10")
+    assert refused.returncode != 0
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("train.py: error: ")]
+    assert len(errors) == 1 and f"{file} fails its checksum" in errors[0], refused.stderr
+    assert f"Delete {file.parent} to resume from the checkpoint before it" in errors[0]
+    # One line from rank 0, no rank's traceback (torchrun adds its own summary of the failed job); nothing trained.
+    assert refused.stderr.count("fails its checksum") == 1 and metrics(out) == metrics(run_a), refused.stderr
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_resume_sweeps_the_temporaries_of_killed_writes_and_nothing_else(run_a, tmp_path):
+    from parallel_lora.files import HOST
+
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    dead, live = f"{_dead_pid()}@{HOST}", f"{os.getppid()}@{HOST}"
+    stale = [".adapter.new-1b98858e", f".metrics.jsonl.new-0000000a-{dead}", "checkpoints/step_00000009.tmp",
+             f"checkpoints/step_00000009.tmp-{dead}"]  # the untagged two: names from before writers were tagged
+    kept = [f".adapter.new-0000000b-{live}", "checkpoints/step_00000010.tmp-1@elsewhere", "notes.txt"]
+    for name in stale + kept:
+        path = out / name
+        if name.endswith(".txt") or "metrics" in name:
+            path.write_text("partial")
+        else:
+            path.mkdir()
+            (path / "part").write_bytes(b"partial")
+    resumed = launch_one(out, *COMMON, "--resume")
+    check_ok(resumed)
+    swept = [line for line in resumed.stdout.splitlines() if line.startswith("removed ")]
+    assert len(swept) == 1 and all(name in swept[0] for name in stale), resumed.stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["adapter", "checkpoints", "loss.png", "metrics.jsonl", *(n for n in kept if "/" not in n)])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000003", "step_00000006", "step_00000008", "step_00000010.tmp-1@elsewhere"]
+
+
 def test_an_earlier_run_is_kept_unless_overwrite_and_no_matplotlib_only_skips_the_plot(run_a, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_a, out)
