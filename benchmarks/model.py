@@ -377,6 +377,28 @@ def validate(cases: dict[str, Case], ids: torch.Tensor) -> dict:
     return report
 
 
+def drop_failing(cases: dict[str, Case], ids: torch.Tensor, names: tuple[str, ...]) -> dict[str, str]:
+    """Run three steps of each of ``names`` (one compiled mode's cases, those in ``cases``): if one raises, all of
+    them are dropped from ``cases`` (a case's ratio needs its frozen step) and its error returned, so that a mode
+    failing leaves the rest of the run its rows."""
+    failed = {}
+    for name in names:
+        if name not in cases:
+            continue
+        try:
+            step = step_fn(cases[name], ids)
+            for _ in range(3):
+                step()
+        except Exception as e:  # a mode that cannot run is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"{name} failed: {failed[name][:500]}", flush=True)
+    if failed:
+        for name in names:
+            cases.pop(name, None)
+        print(f"left out: {', '.join(names)}", flush=True)
+    return failed
+
+
 def warm_up(cases: dict[str, Case], steps: dict[str, Callable], count: int) -> dict:
     """Run ``count`` (at least 2) untimed steps of every case (tuning, optimizer state, compilation, graph capture)
     and check that they train: ``{case: {"losses", "finite", "falls"}}`` (``falls`` None without an optimizer).
@@ -535,6 +557,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     cases = build_cases(base, args.r, args.alpha, backend="torch" if args.smoke else "triton", modes=args.modes)
     adapted = set_adapters(cases, args.alpha, args.seed)
     ids = token_ids(args, device)
+    failed = drop_failing(cases, ids, COMPILE_MODES["reduce-overhead"])  # CUDA graphs: tried first, may be left out
     validation = validate(cases, ids)
     validation["adapted_modules"] = adapted
     for p in validation["pairs"]:
@@ -607,7 +630,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     meta = ({"command": command, "timing": timing, "device": "cpu", "torch": torch.__version__, "model": model}
             if args.smoke else run_meta(command, timing, model=model))  # fmt: skip
     meta["plain"] = plain
-    return {"meta": meta, "validation": validation, "training": training, "rows": rows, "targets": targets}
+    data = {"meta": meta, "validation": validation, "training": training, "rows": rows, "targets": targets}
+    if failed:
+        data["failed"] = failed
+    return data
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -130,6 +130,20 @@ def test_compiled_rows_take_their_ratios_to_the_compiled_frozen_step_and_to_them
     assert checks["step / frozen_compiled"]["met"] and not checks["step / frozen_cudagraphs"]["met"]  # 1.16 > 1.15
 
 
+def test_a_compiled_mode_that_fails_is_left_out_whole_and_reported():
+    class Failing(torch.nn.Module):
+        def forward(self, **kwargs):
+            raise RuntimeError("Detected 2 tensor(s) in the cudagraph pool not tracked as outputs")
+
+    frozen_name, ours_name = model.COMPILE_MODES["reduce-overhead"]
+    cases = {"frozen": model.Case(torch.nn.Identity(), None), frozen_name: model.Case(torch.nn.Identity(), None),
+             ours_name: model.Case(Failing(), None)}  # fmt: skip
+    cases[frozen_name].model = lambda **kwargs: type("Out", (), {"loss": torch.zeros((), requires_grad=True)})()
+    failed = model.drop_failing(cases, torch.zeros(1, 4, dtype=torch.long), (frozen_name, ours_name))
+    assert set(failed) == {ours_name} and "cudagraph pool" in failed[ours_name]
+    assert list(cases) == ["frozen"]  # the frozen graph case goes too: nothing to take the ratio to
+
+
 def test_frozen_backward_reaches_the_first_layers_qkv_outputs_and_no_deeper():
     cases, ids = tiny_cases()
     frozen = cases["frozen"].model
