@@ -7,7 +7,7 @@ over several rounds, each led by another case with the rest in a shuffled order 
 the median over rounds of a case's time over its baseline's time in the same round (``ratio_over_rounds``): drift
 that moves both sides of a round cancels.
 
-Three ways to time one call, all in milliseconds:
+Four ways to time one call, all in milliseconds:
 
 - ``do_bench`` (Triton's): eager launches, L2 flushed before every call; what an uncaptured training loop sees.
 - ``back_to_back_ms``: calls issued back to back between a pair of CUDA events, no flush (for CUDA-graph
@@ -16,11 +16,15 @@ Three ways to time one call, all in milliseconds:
 - ``kernel_ms``: the GPU time of the kernels the calls launch, from ``torch.profiler``, calls back to back, no
   flush. It leaves out the host and the gaps between launches; its rounds agree within a fraction of a percent,
   which is why the floors in docs/design.md are judged with it.
+- ``host_ms``: the host (CPU) time to issue a call, calls back to back with the GPU running behind, a sync only
+  between batches; what a host-bound loop (small shapes, tensor-parallel shards) runs at.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -29,7 +33,8 @@ import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,12 +89,14 @@ def _commit() -> str | None:
 
 
 def run_meta(command: str, timing: str, **extra) -> dict:
-    """The facts of this run: its command, timing method, date, GPU, versions and commit, plus ``extra``."""
+    """The facts of this run: its command, timing method, date, GPU (None on a machine without CUDA), versions and
+    commit, plus ``extra``."""
     import triton
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "command": command, "timing": timing, "date": dt.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(), "commit": _commit(), **extra,
     }  # fmt: skip
 
@@ -179,3 +186,34 @@ def kernel_ms(fn: Callable[[], object], calls: int) -> float:
             fn()
         torch.cuda.synchronize()
     return kernel_events_ms(prof.events(), calls)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Within: Python's garbage collector off (as it was after), so no collection lands inside a timed batch."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def host_ms(fn: Callable[[], object], calls: int, batches: int, sync: Callable[[], object] | None = None) -> float:
+    """Median over ``batches`` of the host ms per call to issue ``calls`` calls of ``fn`` back to back (wall clock
+    around the issuing loop only, garbage collector paused), the GPU running behind; ``sync`` (default
+    ``torch.cuda.synchronize``) after each batch, outside the clock, so that the GPU's queue starts every batch
+    empty and never fills. One untimed call first."""
+    sync = sync or torch.cuda.synchronize
+    fn()
+    sync()
+    per_call = []
+    with gc_paused():
+        for _ in range(batches):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append((time.perf_counter() - start) * 1e3 / calls)
+            sync()
+    return statistics.median(per_call)

@@ -59,12 +59,13 @@ from benchmarks.common import (
 )
 
 SHAPES = [(8192, 4096, 4096, 16), (8192, 4096, 14336, 16), (8192, 14336, 4096, 16), (8192, 4096, 4096, 64)]
-# (forward, forward+backward) ratio floors in kernel time (docs/design.md, "Numbers"), bf16 adapters, dropout 0.
+# (forward, forward+backward) ratio floors in kernel time at module level (docs/design.md, "Numbers"), bf16
+# adapters, dropout 0: judged on LoRALinear, what users call, not on the op's kernels alone.
 FLOORS = {
-    (8192, 4096, 4096, 16): (1.08, 1.13),
-    (8192, 4096, 14336, 16): (1.07, 1.09),
+    (8192, 4096, 4096, 16): (1.09, 1.15),
+    (8192, 4096, 14336, 16): (1.10, 1.12),
     (8192, 14336, 4096, 16): (1.07, 1.09),
-    (8192, 4096, 4096, 64): (1.11, 1.18),
+    (8192, 4096, 4096, 64): (1.12, 1.20),
 }
 DROPOUT_FLOOR = 0.11  # what "pre" dropout 0.1 may add to fwd+bwd over dropout 0
 FP32_FLOOR = 0.03  # what fp32 adapters may add to fwd+bwd over bf16 adapters

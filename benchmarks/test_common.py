@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +12,9 @@ import torch
 
 from benchmarks.common import (
     back_to_back_ms,
+    gc_paused,
     gpu_slug,
+    host_ms,
     kernel_events_ms,
     parse_shapes,
     ratio_over_rounds,
@@ -77,6 +81,39 @@ def test_back_to_back_ms_is_the_median_per_call_over_batches_after_one_untimed_c
     ms = back_to_back_ms(fn, calls=2, batches=3, event=Event, sync=lambda: None)
     assert clock["calls"] == 1 + 2 * 3
     assert ms == 2.0  # batches of 1.0, 2.0 and 9.0 ms per call; the slow first call is not timed
+
+
+def test_host_ms_clocks_only_the_issuing_loop_and_syncs_between_batches(monkeypatch):
+    clock = {"s": 0.0}
+    log = []
+    cost = iter([9.0, 1e-3, 1e-3, 2e-3, 2e-3, 5e-3, 5e-3])  # the untimed first call, then three batches of two
+
+    def fn():
+        clock["s"] += next(cost)
+        log.append("call")
+
+    def sync():
+        clock["s"] += 100.0  # waiting for the GPU: outside the clock
+        log.append("sync")
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["s"])
+    ms = host_ms(fn, calls=2, batches=3, sync=sync)
+    assert ms == pytest.approx(2.0)  # batches of 1, 2 and 5 ms per call
+    assert log == ["call", "sync"] + ["call", "call", "sync"] * 3
+
+
+def test_gc_paused_restores_the_collector_as_it_was():
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_kernel_events_ms_sums_gpu_kernels_per_call_without_memsets_or_host_ops():
