@@ -7,7 +7,7 @@
 #   bash benchmarks/run_all.sh --quick    # the same cases, fewer timing rounds
 #
 # Durations on an H100, estimated from the steps each run makes (Triton tuning and Inductor compilation run cold in
-# a fresh machine): host ~2 min (5 shapes x 19 cases x fwd and fwd+bwd, 3 rounds of 5 x 10 calls, and as many
+# a fresh machine): host ~3 min (5 shapes x 19 cases x fwd and fwd+bwd, 3 rounds of 5 x 10 calls, and as many
 # graph captures), layer ~1.5 min (4 shapes x 4 variants, 3 rounds of profiled calls), llama-1b 8192 and
 # llama-8b-4l 8192 ~1 min each, llama-1b 2048 ~3 min (four compiled cases, two of them CUDA-graphed). The llama-1b
 # 2048 run goes last and takes whatever time the others left.
@@ -45,10 +45,10 @@ step() {
     SUMMARY+=("$name: exit $rc after $((SECONDS - start)) s")
 }
 
-step host 130 python -m benchmarks.host --rounds "$ROUNDS" --out "$DEST/host_$GPU.json"
+step host 200 python -m benchmarks.host --rounds "$ROUNDS" --out "$DEST/host_$GPU.json"
 step layer 90 python -m benchmarks.layer --kernel-time --impls parallel_lora --rounds "$ROUNDS" \
     --out "$DEST/layer_$GPU.json"
-step model_llama-1b_8192 75 python -m benchmarks.model --preset llama-1b --tokens 8192 --rounds "$MODEL_ROUNDS" \
+step model_llama-1b_8192 120 python -m benchmarks.model --preset llama-1b --tokens 8192 --rounds "$MODEL_ROUNDS" \
     --out "$DEST/model_${GPU}_llama-1b_8192.json"
 step model_llama-8b-4l_8192 75 python -m benchmarks.model --preset llama-8b-4l --tokens 8192 \
     --rounds "$MODEL_ROUNDS" --out "$DEST/model_${GPU}_llama-8b-4l_8192.json"
