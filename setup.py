@@ -9,7 +9,8 @@ setup(
     version="0.1.0",
     description="LoRA adapters on Megatron-style tensor-parallel linear layers, with fused Triton kernels",
     license="Apache-2.0",
-    packages=find_packages(include=["parallel_lora", "parallel_lora.*"]),
+    packages=find_packages(include=["parallel_lora", "parallel_lora.*", "launch"]),
+    package_data={"launch": ["corpus.txt"]},  # the toy model's training text
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

@@ -15,9 +15,8 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
-from data import data_file_problem
-from model import PRESETS, check_tp, config_for
-
+from launch.data import data_file_problem
+from launch.model import PRESETS, check_tp, config_for
 from parallel_lora import latest_checkpoint
 from parallel_lora.dropout import P_RANGE, valid_p
 from parallel_lora.log import rank

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if not __package__:  # run as a file (torchrun launch/generate.py): import this checkout's packages, not launch/'s files
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import faults  # noqa: E402  (launch/ is sys.path[0] when this file runs)
-from cli import RankZeroParser  # noqa: E402
-from data import load_tokenizer  # noqa: E402
-
+from launch import faults  # noqa: E402
+from launch.cli import RankZeroParser  # noqa: E402
+from launch.data import load_tokenizer  # noqa: E402
 from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
 from parallel_lora.hf import CheckedCheckpoint, check_checkpoint, from_pretrained  # noqa: E402
 from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402

@@ -38,13 +38,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if not __package__:  # run as a file (torchrun launch/train.py): import this checkout's packages, not launch/'s files
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
-from cli import RUN_KEYS, RUN_OUTPUTS, parse_args, saved_run  # noqa: E402
-from data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
-from model import Transformer, config_for  # noqa: E402
-
+from launch import faults  # noqa: E402
+from launch.cli import RUN_KEYS, RUN_OUTPUTS, parse_args, saved_run  # noqa: E402
+from launch.data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
+from launch.model import Transformer, config_for  # noqa: E402
 from parallel_lora import (  # noqa: E402
     ColwiseParallelLoRA,
     LoRAConfig,

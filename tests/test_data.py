@@ -7,16 +7,13 @@ each document's ids followed by EOS, prompts masked with -100, cut into ``seq_le
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import _hf
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-
-from data import IGNORE_INDEX, PackedData, load_tokenizer  # noqa: E402
+from launch.data import IGNORE_INDEX, PackedData, load_tokenizer
 
 pytest.importorskip("transformers")
 

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
+from launch import cli
 
-import cli  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "4"]
 

@@ -23,13 +23,11 @@ import torch
 import torch.nn.functional as F
 
 import parallel_lora as pl
+from launch.data import CORPUS_PATH, Corpus, generate_corpus
+from launch.model import Transformer, check_tp, config_for
+from launch.train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-
-from data import CORPUS_PATH, Corpus, generate_corpus  # noqa: E402
-from model import Transformer, check_tp, config_for  # noqa: E402
-from train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source  # noqa: E402
 
 STEPS = 8
 # Dropout on, so resume must also restore each rank's RNG state (the masks' seeds are drawn from it).

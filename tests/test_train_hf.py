@@ -32,13 +32,10 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-
-import cli  # noqa: E402
-from data import IGNORE_INDEX, PackedData, generate_corpus, load_tokenizer  # noqa: E402
-from model import Transformer, config_for  # noqa: E402
-from train import TARGET_MODULES, forward  # noqa: E402
-
+from launch import cli  # noqa: E402
+from launch.data import IGNORE_INDEX, PackedData, generate_corpus, load_tokenizer  # noqa: E402
+from launch.model import Transformer, config_for  # noqa: E402
+from launch.train import TARGET_MODULES, forward  # noqa: E402
 from parallel_lora.hf import from_pretrained  # noqa: E402
 
 STEPS = 20
