@@ -430,7 +430,7 @@ def resume_warnings(out: Path, args: argparse.Namespace, saved: dict) -> list[st
         where = "the checkpoint"
     lines = []
     for key in [*then, *(k for k in now if k not in then)]:
-        if then.get(key) != now.get(key):
+        if then.get(key) != now.get(key) and key != "output-dir":  # a run copied elsewhere is still the same run
             effect = ": losses will differ from the uninterrupted run" if key.replace("-", "_") in RUN_KEYS else ""
             lines.append(f"warning: resuming with --{key} {now.get(key)}, was {then.get(key)} in {where}{effect}")
     return lines

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 import parallel_lora as pl
 from launch.data import CORPUS_PATH, Corpus, generate_corpus
@@ -295,6 +296,26 @@ def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
 
+def test_config_yaml_holds_the_run_and_resume_warns_per_changed_setting(run_a, tmp_path):
+    settings = yaml.safe_load((run_a / "config.yaml").read_text())
+    assert settings["steps"] == STEPS and settings["tp"] == 2 and settings["dropout"] == 0.1
+    assert "resume" not in settings and "nproc-per-node" not in settings
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    resumed = launch_one(out, *COMMON, "--resume", "--timeout", "100")
+    check_ok(resumed)
+    config = out / "config.yaml"
+    warnings = [line for line in resumed.stdout.splitlines() if line.startswith("warning: resuming with")]
+    assert warnings == [f"warning: resuming with --tp 1, was 2 in {config}",
+                        f"warning: resuming with --timeout 100.0, was 300.0 in {config}"], resumed.stdout
+    assert yaml.safe_load(config.read_text()) == {**settings, "tp": 1, "timeout": 100.0}
+    again = launch_one(out, *COMMON, "--resume", "--lr", "0.02", "--steps", str(STEPS + 1))
+    check_ok(again)
+    assert f"warning: resuming with --lr 0.02, was 0.01 in {config}: losses will differ from the uninterrupted run" \
+        in again.stdout
+
+
 def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_a, out)
@@ -312,8 +333,8 @@ def test_an_earlier_run_is_kept_unless_overwrite_and_no_matplotlib_only_skips_th
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     refused = launch_one(out, *COMMON)  # the same command again, without --resume
     assert refused.returncode == 2
-    assert "holds an earlier run (checkpoints, metrics.jsonl, adapter, loss.png): pass --resume to continue it, " \
-           "--overwrite to replace it" in refused.stderr
+    assert "holds an earlier run (checkpoints, metrics.jsonl, adapter, loss.png, config.yaml): pass --resume to " \
+           "continue it, --overwrite to replace it" in refused.stderr
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
     # --overwrite replaces it, here on a machine without matplotlib (the [train] extra): the run still succeeds.

@@ -60,10 +60,10 @@ def write_questions(path: Path, n: int = 200) -> Path:
 
 
 def write_mixed(path: Path, n: int = 120) -> Path:
-    """Plain ``{"text"}`` sentences among long prompts with short completions: windows whose target counts differ
+    """Plain sentences (an empty prompt) among long prompts with short completions: windows whose target counts differ
     several-fold, where a mean of per-batch means would differ from the mean over targets."""
     sentences = generate_corpus(6000, seed=2).replace("\n\n", " ").split(". ")
-    rows = [{"text": sentences[i] + "."} if i % 3 == 0 else
+    rows = [{"prompt": "", "completion": sentences[i] + "."} if i % 3 == 0 else
             {"prompt": " ".join(sentences[i : i + 3]), "completion": "It is by the hill ."} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
