@@ -284,7 +284,8 @@ def _mode_problem(args: argparse.Namespace) -> str | None:
         if getattr(args, key) is not None and args.data is None:
             return f"{_flag(key)} needs --model and --data (the built-in corpus has no held-out slice)"
     if args.model is not None and args.sequence_parallel:
-        return "--sequence-parallel is not supported with --model (transformers models run without it here)"
+        return ("--sequence-parallel is not supported with --model (transformers models run without it here): drop "
+                "--sequence-parallel")
     return None
 
 
@@ -330,7 +331,8 @@ def _range_problems(args: argparse.Namespace, world: int) -> list[str | None]:
     try:
         check_tp(config_for(args.preset), args.tp)
     except ValueError as e:
-        return [f"--tp {args.tp} does not fit the '{args.preset}' preset: {e}"]
+        return [f"--tp {args.tp} does not fit the '{args.preset}' preset: {e}; pick a --tp (and --nproc-per-node) "
+                "that divides it"]
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         return [f"--sequence-parallel needs --seq-len ({args.seq_len}) divisible by --tp ({args.tp})"]
     return []

@@ -35,6 +35,10 @@ USAGE = """usage: parallel-lora {train,generate} [--nproc-per-node N] [flags]
   generate   complete --prompt with a checkpoint and a trained --adapter
 
 `parallel-lora train --help` and `parallel-lora generate --help` list the flags."""
+USAGE_TRAIN = """examples:
+  parallel-lora train --nproc-per-node 2                                  # the toy model, tp=2
+  parallel-lora train --nproc-per-node 2 --model DIR --data chat.jsonl    # your checkpoint, your data
+  parallel-lora train --config run.yaml --steps 3                         # flags from a file; the command line wins"""
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -53,7 +57,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if cli.under_torchrun():  # a worker of torchrun's launch (or of ours): exactly `torchrun launch/<name>.py`
         faults.run_main(lambda: module.main(rest))
     # Every flag is checked here, once, before anything starts (exit 2 with one line).
-    args = cli.parse_args(rest, launching=True) if name == "train" else module.parse_args(rest, launching=True)[0]
+    if name == "train":
+        args = cli.parse_args(rest, description=module.__doc__.split("\n\n")[0] + "\n\n" + USAGE_TRAIN,
+                              launching=True)
+    else:
+        args = module.parse_args(rest, launching=True)[0]
     log_dir = Path(tempfile.mkdtemp(prefix="parallel-lora-"))
     if args.nproc_per_node is None:
         _in_this_process(module, rest, log_dir)

@@ -69,7 +69,7 @@ def parse_args(
         p.error(f"--model: {e}")
     adapter = Path(args.adapter)
     if not (adapter / ADAPTER_CONFIG).is_file():
-        p.error(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory train.py writes is "
+        p.error(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory training writes is "
                 "<output-dir>/adapter)")
     try:
         configs = adapter_configs(adapter, lora_dtype=torch.float32)

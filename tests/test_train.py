@@ -309,7 +309,7 @@ def test_config_yaml_holds_the_run_and_resume_warns_per_changed_setting(run_a, t
     warnings = [line for line in resumed.stdout.splitlines() if line.startswith("warning: resuming with")]
     assert warnings == [f"warning: resuming with --tp 1, was 2 in {config}",
                         f"warning: resuming with --timeout 100.0, was 300.0 in {config}"], resumed.stdout
-    assert yaml.safe_load(config.read_text()) == {**settings, "tp": 1, "timeout": 100.0}
+    assert yaml.safe_load(config.read_text()) == {**settings, "tp": 1, "timeout": 100.0, "output-dir": str(out)}
     again = launch_one(out, *COMMON, "--resume", "--lr", "0.02", "--steps", str(STEPS + 1))
     check_ok(again)
     assert f"warning: resuming with --lr 0.02, was 0.01 in {config}: losses will differ from the uninterrupted run" \
