@@ -116,6 +116,8 @@ def _start_processes(module: str, rest: list[str], args: Any, log_dir: Path) -> 
     except ChildFailedError as e:
         recorded = [(r, _recorded(f.error_file), f.error_file) for r, f in e.failures.items()]
         silent = [(r, f.exitcode) for r, f in e.failures.items() if _recorded(f.error_file) is None]
+        if all(code in (130, -signal.SIGINT) for _, code in silent) and len(silent) == len(recorded):
+            return 130  # Ctrl-C: rank 0 printed where it stopped
         return _print_failure([x for x in recorded if x[1] is not None], silent, log_dir)
     except (KeyboardInterrupt, SignalException):
         return 130  # rank 0 printed where it stopped
@@ -152,11 +154,18 @@ def _print_failure(recorded: list[tuple[int, dict, str]], silent: list[tuple[int
     # Ranks that ended without a message (killed, or os._exit); SIGTERM is the agent stopping the others.
     died = [(r, c) for r, c in sorted(silent) if c != -signal.SIGTERM] or ([] if recorded else sorted(silent)[:1])
     for r, code in died[:1]:
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         lines.append(f"{prog}: rank {r} {how} without a message")
     lines.append(f"{prog}: logs of every rank: {log_dir}")
     print("\n".join(lines), file=sys.stderr)
     return 1
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 if __name__ == "__main__":
