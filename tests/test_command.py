@@ -56,6 +56,7 @@ def no_torchrun(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["train", "generate"])
 def test_help_exits_0(name, tmp_path):
     proc = parallel_lora(name, "--help", cwd=tmp_path)
@@ -63,6 +64,7 @@ def test_help_exits_0(name, tmp_path):
     assert "--nproc-per-node N" in proc.stdout and proc.stdout.startswith(f"usage: parallel-lora {name}")
 
 
+@pytest.mark.slow
 def test_a_missing_data_file_exits_2_with_one_line_naming_it(tiny, tmp_path):
     proc = parallel_lora("train", "--nproc-per-node", "2", "--model", str(tiny), "--data", "chat.jsonl",
                          "--output-dir", "out", cwd=tmp_path)
