@@ -183,10 +183,8 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat_tok")
-    texts = [m["content"] for row in CHAT for m in row["messages"]]
-    tiny_checkpoint.write_tokenizer(folder, texts)
-    return load_tokenizer(folder)
+    """The tokenizer of launch/tiny_checkpoint.py's tiny Llama (save_pretrained, a tokenizers word-level model)."""
+    return load_tokenizer(tiny_checkpoint.write_checkpoint(tmp_path_factory.mktemp("chat") / "tiny-llama"))
 
 
 def test_messages_carry_loss_on_assistant_turns_only_token_by_token(tmp_path, chat_tokenizer):
