@@ -66,6 +66,7 @@ def test_new_over_old_compares_the_trees_round_by_round():
     assert ab["fwd"] == pytest.approx(0.9) and ab["fwdbwd"] == pytest.approx(0.9)
 
 
+@pytest.mark.slow
 def test_layer_measures_every_implementation_against_the_base_and_another_tree(monkeypatch):
     # The flow of one variant on the CPU: every implementation built on the same W, A, B, validated, timed in
     # rounds (a stand-in clock that still calls each case) and reported, this tree also loaded as the --old one.
@@ -92,6 +93,7 @@ def test_layer_measures_every_implementation_against_the_base_and_another_tree(m
     assert {r["impl"] for r in rows} == {"base", "parallel_lora", "parallel_lora_old"}
 
 
+@pytest.mark.slow
 def test_layer_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -24,6 +24,7 @@ def tiny_cases():
     return cases, model.token_ids(args, "cpu")
 
 
+@pytest.mark.slow
 def test_model_smoke_run_writes_every_case_checked_against_peft(tmp_path):
     # Inductor on the CPU, every layer traced whole, in both modes (reduce-overhead: no CUDA graphs on the CPU,
     # but the same cases, ours with dropout, and each step marked).
@@ -152,6 +153,7 @@ def test_frozen_backward_reaches_the_first_layers_qkv_outputs_and_no_deeper():
     assert all(p.grad is None for name, p in frozen.named_parameters() if name != "depth_marker")
 
 
+@pytest.mark.slow
 def test_model_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -9,10 +9,14 @@
   failures and argument errors into one message each and an exit code (0 done, 1 failure, 2 bad arguments, 130
   interrupted), leaving through ``os._exit`` (see ``launch/train.py``'s last comment). The resume hint is for a run
   that writes checkpoints.
+- Under an elastic agent (torchrun, ``parallel-lora``) a failing rank also writes its message to
+  ``$TORCHELASTIC_ERROR_FILE``; started by ``parallel-lora`` (``$PARALLEL_LORA_ERRORS_TO_FILE``) it writes it there
+  only, and the command prints it once, for every rank.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -21,6 +25,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -42,6 +47,28 @@ class _Run:
 
 
 RUN = _Run()
+# Set by launch.command for the processes it starts: a failure's message goes to the error file, not to stderr.
+ERRORS_TO_FILE = "PARALLEL_LORA_ERRORS_TO_FILE"
+PROG: str | None = None  # the name error messages start with (default: the script's file name)
+
+
+def prog() -> str:
+    return PROG or Path(sys.argv[0]).name
+
+
+def record(code: int, message: str, detail: str | None = None) -> bool:
+    """Write this rank's failure to ``$TORCHELASTIC_ERROR_FILE`` (torchelastic's format, plus ``exitcode`` and
+    ``detail``: a traceback); returns whether the launcher that started this rank prints it (so this rank must not)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": message, "timestamp": int(time.time()), "exitcode": code, "rank": rank(), "detail": detail}
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        return False
+    return os.environ.get(ERRORS_TO_FILE) == "1"
 
 
 def at(phase: str, step: int | None = None) -> None:
@@ -82,10 +109,10 @@ def init_distributed(device_type: str, dp: int, tp: int, timeout_s: float, check
     return DeviceMesh.from_group([groups["dp"], groups["tp"]], device_type, mesh=grid, mesh_dim_names=("dp", "tp"))
 
 
-def refuse(message: str) -> None:
-    """An error in the arguments found after start-up (every rank finds it): print it once, exit with code 2."""
-    if rank() == 0:
-        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+def refuse(message: str) -> NoReturn:
+    """An error in the arguments (every rank finds it): print it once, from rank 0, and exit with code 2."""
+    if rank() == 0 and not record(2, message):
+        print(f"{prog()}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -123,14 +150,19 @@ def _report(exc: BaseException) -> int:
         return 130
     if is_collective_failure(exc):
         hint = _resume_hint()
-        print(f"[rank {rank()}] the {RUN.phase} failed: {_cause(exc)}" + (f". Resume with --resume ({hint})" if hint
-              else ""), file=sys.stderr)
+        line = f"[rank {rank()}] the {RUN.phase} failed: {_cause(exc)}" + (f". Resume with --resume ({hint})" if hint
+                                                                            else "")
+        if not record(1, line):
+            print(line, file=sys.stderr)
         return 1
-    traceback.print_exception(exc)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if not record(1, f"[rank {rank()}] {type(exc).__name__}: {first}", "".join(traceback.format_exception(exc))):
+        traceback.print_exception(exc)
     return 1
 
 
-def _outcome(main: Callable[[], None]) -> int:
+def outcome(main: Callable[[], None]) -> int:
+    """Run ``main()``; its exit code, every failure reported as ``run_main`` does."""
     try:
         main()
         return 0
@@ -145,13 +177,16 @@ def _outcome(main: Callable[[], None]) -> int:
         return _report(e)
 
 
-def run_main(main: Callable[[], None]) -> None:
-    """Run ``main()`` and leave the process with its exit code, one message per failure."""
+def run_main(main: Callable[[], None], after: Callable[[int], int] | None = None) -> NoReturn:
+    """Run ``main()`` and leave the process with its exit code (``after(code)``'s, if given), one message per
+    failure."""
     signal.signal(signal.SIGINT, _on_sigint)
     try:
-        code = _outcome(main)
+        code = outcome(main)
     except KeyboardInterrupt:  # Ctrl-C landed while another failure was being reported (the handler is off now)
         code = _report(KeyboardInterrupt())
+    if after is not None:
+        code = after(code)
     try:
         sys.stdout.flush()
         sys.stderr.flush()

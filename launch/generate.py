@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if not __package__:  # run as a file (torchrun launch/generate.py): import this checkout's packages, not launch/'s files
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import faults  # noqa: E402  (launch/ is sys.path[0] when this file runs)
-from cli import RankZeroParser  # noqa: E402
-from data import load_tokenizer  # noqa: E402
-
+from launch import faults  # noqa: E402
+from launch.cli import RankZeroParser, add_launch_flags, launch_problem, world_size  # noqa: E402
+from launch.data import load_tokenizer  # noqa: E402
 from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
 from parallel_lora.hf import CheckedCheckpoint, check_checkpoint, from_pretrained  # noqa: E402
 from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402
@@ -37,10 +37,12 @@ from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, CheckedCheckpoint, list[LoRAConfig]]:
+def parse_args(
+    argv: list[str] | None = None, launching: bool = False
+) -> tuple[argparse.Namespace, CheckedCheckpoint, list[LoRAConfig]]:
     """The checked arguments, the checkpoint (``check_checkpoint``'s, for ``from_pretrained``) and the adapter's
     ``LoRAConfig``s. Exits with code 2, one message from rank 0, on a bad flag, a checkpoint that cannot load at this
-    TP size or an adapter it cannot rebuild."""
+    TP size or an adapter it cannot rebuild. ``launching``: ``parallel-lora`` checks them before it starts processes."""
     p = RankZeroParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config, safetensors, tokenizer)")
     p.add_argument("--adapter", required=True,
@@ -54,18 +56,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Check
                    help="refuse an adapter trained on another base (by default: one warning line)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective may wait for the other ranks before the job stops (default 300)")
+    add_launch_flags(p)
     args = p.parse_args(argv)
+    problem = launch_problem(args, launching)
+    if problem:
+        p.error(problem)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         p.error(f"--timeout must be a finite number > 0 (seconds), got {args.timeout}")
     try:
-        checkpoint = check_checkpoint(args.model, int(os.environ.get("WORLD_SIZE", "1")))
+        checkpoint = check_checkpoint(args.model, world_size(args))
     except ValueError as e:
         p.error(f"--model: {e}")
     adapter = Path(args.adapter)
     if not (adapter / ADAPTER_CONFIG).is_file():
-        p.error(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory train.py writes is "
+        p.error(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (the directory training writes is "
                 "<output-dir>/adapter)")
     try:
         configs = adapter_configs(adapter, lora_dtype=torch.float32)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli import RUN_OUTPUTS
-
+from launch.cli import RUN_OUTPUTS
 from parallel_lora.checkpoint import remove_stale_checkpoint_temporaries
 from parallel_lora.files import remove_stale_temporaries
 

@@ -38,14 +38,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if not __package__:  # run as a file (torchrun launch/train.py): import this checkout's packages, not launch/'s files
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import faults  # noqa: E402  (launch/ is sys.path[0] when torchrun runs this file)
-import leftovers  # noqa: E402
-from cli import RUN_KEYS, RUN_OUTPUTS, parse_args, saved_run  # noqa: E402
-from data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
-from model import Transformer, config_for  # noqa: E402
-
+from launch import faults, leftovers  # noqa: E402
+from launch.cli import RUN_KEYS, RUN_OUTPUTS, parse_args, resume_warnings, saved_run, write_settings  # noqa: E402
+from launch.data import IGNORE_INDEX, Corpus, PackedData, load_tokenizer  # noqa: E402
+from launch.model import Transformer, config_for  # noqa: E402
 from parallel_lora import (  # noqa: E402
     ColwiseParallelLoRA,
     LoRAConfig,
@@ -136,7 +135,7 @@ def hf_model(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device) -
     before any weight is read), then ``from_pretrained``: a bf16 base built on the meta device, fp32 adapters on the
     seven projections, split by the model's own plan over ``mesh["tp"]``, each rank reading only its shards."""
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model, args.chat_template)
     except ValueError as e:
         faults.refuse(f"--model: {e}")
     try:
@@ -274,10 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         start_step = faults.RUN.step = meta["step"]
         if source is None:  # a replica the saving run did not have: a state of its own, alike on its TP ranks
             torch.manual_seed(replica_seed(args.seed + start_step, dp_rank))
-        changed = {k: (saved[k], v) for k, v in run_info.items() if k in saved and saved[k] != v}
-        if rank == 0 and changed:
-            print(f"warning: resuming with changed {changed} (checkpoint, now): losses will differ from the "
-                  "uninterrupted run")
+        if rank == 0:
+            for line in resume_warnings(out, args, saved):  # per setting changed since the run in --output-dir
+                print(line)
     if rank == 0:
         if swept := leftovers.sweep(out):  # temporaries of writes an earlier, killed run left (their writer is gone)
             print(swept)
@@ -287,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             print(f"overwrite: removed the earlier run's {', '.join(RUN_OUTPUTS)} from {out}")
         out.mkdir(parents=True, exist_ok=True)
+        write_settings(out, args)  # <output-dir>/config.yaml: this run's resolved flags
         if args.resume:
             print(f"resuming from {latest} at step {start_step}" if latest else
                   f"resume: no checkpoint in {ckpt_root}, starting at step 0")

@@ -10,14 +10,11 @@ replicated plan entry) and an explicit ``head_dim``, Mistral a sliding window.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-
-from data import generate_corpus  # noqa: E402
+from launch.data import generate_corpus
 
 VOCAB = 128  # every model's vocabulary has at least this many tokens
 BPE_VOCAB = 384  # the Qwen models': the 256 bytes, 4 specials and merges

@@ -249,6 +249,7 @@ def _save_on_rank_0_only(rank: int, init_file: str, path: str, results) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_save_adapter_on_rank_0_only_raises_that_every_rank_must_call_it(tmp_path):
     # HF's habit (save_pretrained on rank 0 only) with a collective save: an error within the group's timeout
     # that says every rank must call it, not a hang.

@@ -87,6 +87,7 @@ def _steps_as_eager(model: nn.Module, compiled: nn.Module, x: torch.Tensor, step
     return pairs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the interpreter, through the registered op
 def test_compiled_lora_mlp_traces_whole_and_matches_eager(backend):
     model = _mlp(backend)
@@ -101,6 +102,7 @@ def test_compiled_lora_mlp_traces_whole_and_matches_eager(backend):
     assert not torch.equal(pairs[0][0][0], pairs[1][0][0]), "the second step reused the first step's masks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device,backend,compiler",
     [
@@ -264,6 +266,7 @@ def _compiled_tp_mlp_matches_eager(sp: bool, p: float) -> None:
     assert _eager_ops(fwd) and _eager_ops(bwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [0.0, 0.1], ids=["p0", "p0.1"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_compiled_tp_mlp_traces_whole_matches_eager_and_issues_its_collectives(sp, p):
@@ -308,6 +311,7 @@ def _compiled_no_sync_matches_eager(micro_steps: int = 3) -> None:
     _dist.assert_same_on_all_ranks(compiled_model[0].lora_A.weight.grad.to_local(), "column dA after no_sync")
 
 
+@pytest.mark.slow
 def test_compiled_no_sync_reduces_once_per_step_like_eager():
     _dist.run_ranks(2, _compiled_no_sync_matches_eager)
 

@@ -1,22 +1,21 @@
 """``launch/data.py``'s ``PackedData``: a user's .jsonl / .txt tokenized with a checkpoint's tokenizer and packed.
 
 Reference: the tokenizer itself (``tests/_hf.py``'s word-level one), document by document: the packed stream must be
-each document's ids followed by EOS, prompts masked with -100, cut into ``seq_len + 1`` windows.
+each document's ids followed by EOS, prompts masked with -100, cut into ``seq_len + 1`` windows. Conversations are
+checked token by token against what ``launch/tiny_checkpoint.py``'s chat template writes.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import _hf
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-
-from data import IGNORE_INDEX, PackedData, load_tokenizer  # noqa: E402
+from launch import tiny_checkpoint
+from launch.data import IGNORE_INDEX, PackedData, load_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -135,7 +134,12 @@ def test_batches_are_a_pure_function_of_seed_step_and_micro_step(tmp_path, token
         ("half.jsonl", '{"prompt": "a"}\n', "line 1: missing key 'completion'"),
         ("type.jsonl", '{"text": 3}\n', "line 1: 'text' must be a string, got int"),
         ("data.csv", "text\nhello\n", "expected a .jsonl or .txt file, got '.csv'"),
-        ("short.jsonl", '{"text": "The fox."}\n', r"holds 4 tokens, too few for two windows"),
+        ("short.jsonl", '{"text": "The fox."}\n',
+         r"holds 4 tokens, too few for two windows .*: lower --seq-len to at most 1, or pass --eval-fraction 0"),
+        ("mixed.jsonl", '{"text": "a"}\n{"prompt": "b", "completion": "c"}\n',
+         r'mixed.jsonl line 2: a \{"prompt", "completion"\} line in a file of \{"text"\} lines \(line 1\)'),
+        ("roles.jsonl", '{"messages": [{"role": "user"}]}\n',
+         r"messages\[0\] must be an object with 'role' and 'content'"),
     ],
 )
 def test_bad_data_files_are_refused_with_the_file_and_line(tmp_path, tokenizer, name, content, message):
@@ -159,3 +163,63 @@ def test_a_tokenizer_that_cannot_be_loaded_is_a_value_error_naming_the_folder(tm
     missing = tmp_path / "no-such-folder"
     with pytest.raises(ValueError, match=f"cannot load the tokenizer in {missing}"):
         load_tokenizer(missing)
+
+
+def test_too_little_data_without_eval_names_seq_len_only(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"too few for one window .*: lower --seq-len to at most 3$"):
+        PackedData(_jsonl(tmp_path / "d.jsonl", [{"text": "The fox."}]), tokenizer, seq_len=8, eval_fraction=0.0)
+
+
+CHAT = [
+    {"messages": [{"role": "user", "content": "Where is my key ?"},
+                  {"role": "assistant", "content": "It is by the bridge ."}]},
+    {"messages": [{"role": "system", "content": "Answer in one sentence ."},
+                  {"role": "user", "content": "Where is my lamp ?"},
+                  {"role": "assistant", "content": "It is by the market ."},
+                  {"role": "user", "content": "Where is my boat ?"},
+                  {"role": "assistant", "content": "It is by the river ."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The tokenizer of launch/tiny_checkpoint.py's tiny Llama (save_pretrained, a tokenizers word-level model)."""
+    return load_tokenizer(tiny_checkpoint.write_checkpoint(tmp_path_factory.mktemp("chat") / "tiny-llama"))
+
+
+def test_messages_carry_loss_on_assistant_turns_only_token_by_token(tmp_path, chat_tokenizer):
+    data = PackedData(_jsonl(tmp_path / "chat.jsonl", CHAT * 2), chat_tokenizer, seq_len=8, eval_fraction=0.0)
+    tokens = chat_tokenizer.convert_ids_to_tokens(data.tokens.tolist())
+    trained = [t for t, label in zip(tokens, data.labels.tolist(), strict=True) if label != IGNORE_INDEX]
+    first = ("<s> <|user|> Where is my key ? </s> <|assistant|> It is by the bridge . </s>").split()
+    second = ("<s> <|system|> Answer in one sentence . </s> <|user|> Where is my lamp ? </s> <|assistant|> It is by "
+              "the market . </s> <|user|> Where is my boat ? </s> <|assistant|> It is by the river . </s>").split()
+    assert tokens == (first + second) * 2  # turns in order, conversations in file order, no EOS added after </s>
+    mask = [False] * 9 + [True] * 7 + [False] * 16 + [True] * 7 + [False] * 8 + [True] * 7
+    assert [label != IGNORE_INDEX for label in data.labels.tolist()] == mask * 2
+    assert trained == "It is by the bridge . </s> It is by the market . </s> It is by the river . </s>".split() * 2
+    ids = data.tokens[torch.tensor(mask * 2)]
+    assert torch.equal(data.labels[torch.tensor(mask * 2)], ids)  # a trained label is its own token
+
+
+def test_messages_need_a_chat_template_and_chat_template_file_gives_one(tmp_path, tokenizer):
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT[:1] * 8)
+    message = r'holds "messages" lines, .* has no chat template .*: pass --chat-template FILE'
+    with pytest.raises(ValueError, match=message):
+        PackedData(path, tokenizer, seq_len=8)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {{ eos_token }} {% endfor %}"
+                        "{% if add_generation_prompt %}assistant : {% endif %}")
+    data = PackedData(path, load_tokenizer(tokenizer.name_or_path, template), seq_len=8, eval_fraction=0.0)
+    context = _ids(tokenizer, "user : Where is my key ? </s> assistant : ", special=False)
+    answer = _ids(tokenizer, "It is by the bridge . </s> ", special=False)
+    assert data.tokens.tolist() == (context + answer) * 8
+    assert data.labels.tolist() == ([IGNORE_INDEX] * len(context) + answer) * 8
+
+
+def test_a_template_that_does_not_render_turns_as_prefixes_is_refused(tmp_path, chat_tokenizer):
+    path = _jsonl(tmp_path / "chat.jsonl", CHAT * 4)
+    template = tmp_path / "reversed.jinja"
+    template.write_text("{% for m in messages | reverse %}{{ m['content'] }} {% endfor %}")
+    with pytest.raises(ValueError, match="assistant turns cannot be told apart: pass --chat-template FILE"):
+        PackedData(path, load_tokenizer(chat_tokenizer.name_or_path, template), seq_len=8)

@@ -340,6 +340,7 @@ def _torchtitan_recipe_trains_like_the_plain_model(steps: int = 3) -> None:
         assert torch.equal(p.full_tensor(), q.full_tensor()), f"{name} differs after {steps} steps"
 
 
+@pytest.mark.slow
 def test_torchtitan_recipe_meta_sp_checkpoint_compile_fsdp2_trains_like_the_plain_model():
     _dist.run_ranks(DP * TP, _torchtitan_recipe_trains_like_the_plain_model)
 

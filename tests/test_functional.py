@@ -246,6 +246,7 @@ SAVED_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [None, "pre", "post"], ids=lambda d: f"dropout-{d}")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", SAVED_CASES, ids=[c.id for c in SAVED_CASES])

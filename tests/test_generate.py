@@ -73,6 +73,7 @@ def _printed(stdout: str) -> dict[str, str]:
     return {k: v.strip() for k, v in rows.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-tp2"])
 def test_generate_prints_the_adapted_and_the_base_completion(model_and_adapter, nproc):
     model_dir, adapter = model_and_adapter
@@ -100,6 +101,7 @@ def test_generate_on_another_same_shaped_base_warns_once_or_refuses_under_strict
         assert proc.returncode == 0 and lines[0].startswith("warning: load_adapter: "), proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_missing_model_or_adapter_with_a_message(model_and_adapter, tmp_path):
     model_dir, adapter = model_and_adapter
     proc = _generate("--model", str(tmp_path / "none"), "--adapter", str(adapter), "--prompt", PROMPT)
@@ -108,6 +110,7 @@ def test_generate_refuses_a_missing_model_or_adapter_with_a_message(model_and_ad
     assert proc.returncode != 0 and "no adapter_config.json there" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_generate_refuses_an_adapter_config_without_r_once_under_torchrun(model_and_adapter, tmp_path):
     model_dir, adapter = model_and_adapter
     broken = tmp_path / "adapter"

@@ -16,6 +16,7 @@ import triton
 from compile_hopper import wgmma_loops
 
 
+@pytest.mark.slow
 def test_compile_smem_estimates_bound_what_triton_compiles_for_hopper():
     # Triton 3.8 stages the "pre"-masked x tile of the shrink in shared memory, where 3.6 and 3.9 feed it from
     # registers; only compiling with the installed Triton shows it. The quick launches here, for sm_90a on the

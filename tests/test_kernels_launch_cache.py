@@ -125,6 +125,7 @@ def test_dispatch_layout_fixes_the_signature_of_every_launch(monkeypatch):
     assert len(seen) > 100
 
 
+@pytest.mark.slow
 def test_dispatch_bound_sites_give_the_first_calls_results_bit_for_bit(monkeypatch):
     # The second call of a layout launches the kernels bound at its first call (no wrapper signature, no
     # checks); it must compute exactly what the first did, with new values in the same layout, and a new

@@ -77,6 +77,7 @@ def test_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop,
     clear_sites()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wanted", [("dA", "dB"), ("dA",), ("dB",)], ids="+".join)
 @pytest.mark.parametrize("drop", list(DROPOUTS))
 @pytest.mark.parametrize("shape", [(130, 64, 48), (9, 24, 16)], ids=["multi_split", "spare_program"])
@@ -112,6 +113,7 @@ def test_dx_grads_equals_the_separate_launches_bit_for_bit(monkeypatch, shape, d
     clear_sites()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wanted", [("dA", "dB"), ("dB",)], ids="+".join)
 @pytest.mark.parametrize("drop", ["none", "post"])
 @pytest.mark.parametrize("r", [5, 16, 20])
@@ -186,6 +188,7 @@ def test_shrink_db_taken_from_8192_tokens_at_ranks_up_to_32_while_small(monkeypa
     assert shrink_db.column_splits(8192, 14336, torch.device("cuda", 0)) == (4, 3584)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("M", [9, 130], ids=["one_split", "multi_split"])
 def test_backward_is_at_most_three_launches_two_on_the_tma_path(monkeypatch, M, dtype):

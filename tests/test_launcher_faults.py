@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
+from launch import cli
 
-import cli  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "4"]
 
@@ -119,6 +118,7 @@ def test_tp_that_does_not_split_the_heads_is_refused_naming_the_preset(capsys, m
     assert "--tp 3 does not fit the 'tiny' preset: n_heads=4 must be divisible" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_bad_flag_under_torchrun_prints_one_error_and_starts_nothing(tmp_path):
     # --max-grad-norm -1 would train backwards (clipping would scale the gradients by a negative factor).
     out = tmp_path / "run"
@@ -128,6 +128,7 @@ def test_a_bad_flag_under_torchrun_prints_one_error_and_starts_nothing(tmp_path)
     assert "apply_lora" not in output and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_line_naming_the_collective(tmp_path):
     # SIGSTOP rank 1 mid-run: rank 0 waits in a collective for --timeout, then names it and exits; torchrun then
     # ends the job, SIGKILLing the stopped rank after its 30 s grace.
@@ -147,6 +148,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_line_naming_the_co
     assert took < 60, f"the job ended {took:.0f} s after the rank stopped"
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_every_rank_quietly_with_one_line_naming_the_step_and_checkpoint(tmp_path):
     out = tmp_path / "run"
     job = _Job(out, *TINY, "--steps", "1000", "--save-every", "2")

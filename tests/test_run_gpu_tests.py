@@ -38,6 +38,7 @@ def test_runs_after_the_crash():
 """
 
 
+@pytest.mark.slow
 def test_run_gpu_tests_times_out_a_stuck_test_and_goes_on_after_it_and_after_a_crash(tmp_path):
     # One stuck test must cost only itself (a timeout around one pytest process would lose every test after it),
     # and a crash must not take the tests after it along.
@@ -64,6 +65,7 @@ def test_run_gpu_tests_times_out_a_stuck_test_and_goes_on_after_it_and_after_a_c
     assert [row["outcome"] for row in run_all(ids, "fake", 4.0, 0.0, io.StringIO(), tmp_path)] == ["not run"] * 5
 
 
+@pytest.mark.slow
 def test_run_gpu_tests_resumes_an_earlier_run_without_rerunning_its_passed_tests(tmp_path):
     # A full GPU run can outlast one budget: --resume keeps what passed and runs only the rest.
 

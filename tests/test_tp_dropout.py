@@ -270,11 +270,13 @@ def test_activation_checkpointing_reruns_the_forward_dropout_masks(region, sp):
     _dist.run_ranks(2, _mlp_step_matches_eager, region, sp)
 
 
+@pytest.mark.slow
 @SP
 def test_torch_compile_of_a_selective_checkpoint_saving_the_seeds_reruns_the_forward_dropout_masks(sp):
     _dist.run_ranks(2, _mlp_step_matches_eager, "torch.compile of a checkpoint saving the seeds", sp)
 
 
+@pytest.mark.slow
 def test_torch_compile_of_a_checkpoint_with_dropout_fails_on_the_cpu_in_torch():
     # torch 2.13 on the CPU: AOTAutograd saves the replayed generator state after the DTensor gradients' mesh.
     # When this fails, torch has fixed it: drop the seed-saving policy from the CPU tests and the docs' note.

@@ -21,15 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 import parallel_lora as pl
+from launch.data import CORPUS_PATH, Corpus, generate_corpus
+from launch.model import Transformer, check_tp, config_for
+from launch.train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-
-from data import CORPUS_PATH, Corpus, generate_corpus  # noqa: E402
-from model import Transformer, check_tp, config_for  # noqa: E402
-from train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source  # noqa: E402
 
 STEPS = 8
 # Dropout on, so resume must also restore each rank's RNG state (the masks' seeds are drawn from it).
@@ -70,6 +69,7 @@ def run_a(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_run_writes_one_metrics_line_per_step(run_a):
     rows = metrics(run_a)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -79,11 +79,13 @@ def test_run_writes_one_metrics_line_per_step(run_a):
     assert (run_a / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_loss_falls(run_a):
     values = losses(run_a)
     assert values[-1] < values[0] - 0.1, values
 
 
+@pytest.mark.slow
 def test_checkpoints_are_complete_and_on_schedule(run_a):
     names = sorted(p.name for p in (run_a / "checkpoints").iterdir())
     assert names == ["step_00000003", "step_00000006", "step_00000008"]  # every 3 steps and the last
@@ -102,6 +104,7 @@ def _loss(model: Transformer, corpus: Corpus) -> float:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 
 
+@pytest.mark.slow
 def test_adapter_loads_into_a_fresh_model_and_lowers_its_loss(run_a):
     adapter = run_a / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
@@ -114,6 +117,7 @@ def test_adapter_loads_into_a_fresh_model_and_lowers_its_loss(run_a):
     assert _loss(model, corpus) < base_loss - 0.1
 
 
+@pytest.mark.slow
 def test_adapter_loads_into_peft_with_the_same_outputs(run_a):
     peft = pytest.importorskip("peft")
     ours, corpus = _fresh_model()
@@ -127,6 +131,7 @@ def test_adapter_loads_into_peft_with_the_same_outputs(run_a):
         torch.testing.assert_close(theirs.eval()(x), ours.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_path):
     out = tmp_path / "run_b"
     crashed = torchrun(out, *COMMON, "--fail-at-step", "5", "--fail-rank", "1")
@@ -149,6 +154,7 @@ def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_pa
     assert losses(out) == losses(run_a)
 
 
+@pytest.mark.slow
 def test_resume_at_a_larger_tp_draws_the_uninterrupted_runs_masks(run_a, tmp_path):
     # Saved at tp=2, resumed at tp=4: ranks 2 and 3 saved no RNG state, and must draw the masks ranks 0 and 1 draw.
     out = tmp_path / "run"
@@ -162,6 +168,7 @@ def test_resume_at_a_larger_tp_draws_the_uninterrupted_runs_masks(run_a, tmp_pat
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_gives_the_same_losses(run_a, tmp_path):
     out = tmp_path / "run_ac"
     check_ok(torchrun(out, *COMMON, "--activation-checkpointing"))
@@ -170,6 +177,7 @@ def test_activation_checkpointing_gives_the_same_losses(run_a, tmp_path):
     assert losses(out) == losses(run_a)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_gives_the_same_losses(run_a, tmp_path):
     out = tmp_path / "run_sp"
     check_ok(torchrun(out, *COMMON, "--sequence-parallel"))
@@ -177,6 +185,7 @@ def test_sequence_parallel_gives_the_same_losses(run_a, tmp_path):
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_data_parallel_matches_one_rank_on_the_same_global_batch(tmp_path):
     # Without dropout: each dp rank draws masks for its own local rows, so masks differ from one rank's.
     args = ["--preset", "tiny", "--steps", "4", "--seq-len", "64", "--dropout", "0", "--save-every", "100"]
@@ -267,6 +276,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a, tmp_path):
     # Two torchrun agents meet at one c10d rendezvous, as two machines would (--nnodes 2, one process each), with
     # the command line a preemptible job repeats: --resume from the first launch on. The "node" holding rank 1
@@ -297,6 +307,28 @@ def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_config_yaml_holds_the_run_and_resume_warns_per_changed_setting(run_a, tmp_path):
+    settings = yaml.safe_load((run_a / "config.yaml").read_text())
+    assert settings["steps"] == STEPS and settings["tp"] == 2 and settings["dropout"] == 0.1
+    assert "resume" not in settings and "nproc-per-node" not in settings
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    resumed = launch_one(out, *COMMON, "--resume", "--timeout", "100")
+    check_ok(resumed)
+    config = out / "config.yaml"
+    warnings = [line for line in resumed.stdout.splitlines() if line.startswith("warning: resuming with")]
+    assert warnings == [f"warning: resuming with --tp 1, was 2 in {config}",
+                        f"warning: resuming with --timeout 100.0, was 300.0 in {config}"], resumed.stdout
+    assert yaml.safe_load(config.read_text()) == {**settings, "tp": 1, "timeout": 100.0, "output-dir": str(out)}
+    again = launch_one(out, *COMMON, "--resume", "--lr", "0.02", "--steps", str(STEPS + 1))
+    check_ok(again)
+    assert f"warning: resuming with --lr 0.02, was 0.01 in {config}: losses will differ from the uninterrupted run" \
+        in again.stdout
+
+
+@pytest.mark.slow
 def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_a, out)
@@ -308,6 +340,7 @@ def test_resume_with_another_lora_rank_is_refused_in_one_line(run_a, tmp_path):
     assert metrics(out) == metrics(run_a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["__1_0.distcp", "meta.json"])
 def test_resume_from_a_checkpoint_with_a_flipped_byte_is_refused_in_one_line(run_a, tmp_path, name):
     out = tmp_path / "run"
@@ -331,6 +364,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_resume_sweeps_the_temporaries_of_killed_writes_and_nothing_else(run_a, tmp_path):
     from parallel_lora.files import HOST
 
@@ -357,14 +391,15 @@ def test_resume_sweeps_the_temporaries_of_killed_writes_and_nothing_else(run_a, 
         "step_00000003", "step_00000006", "step_00000008", "step_00000010.tmp-1@elsewhere"]
 
 
+@pytest.mark.slow
 def test_an_earlier_run_is_kept_unless_overwrite_and_no_matplotlib_only_skips_the_plot(run_a, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run_a, out)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     refused = launch_one(out, *COMMON)  # the same command again, without --resume
     assert refused.returncode == 2
-    assert "holds an earlier run (checkpoints, metrics.jsonl, adapter, loss.png): pass --resume to continue it, " \
-           "--overwrite to replace it" in refused.stderr
+    assert "holds an earlier run (checkpoints, metrics.jsonl, adapter, loss.png, config.yaml): pass --resume to " \
+           "continue it, --overwrite to replace it" in refused.stderr
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
     # --overwrite replaces it, here on a machine without matplotlib (the [train] extra): the run still succeeds.

@@ -32,13 +32,10 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-
-import cli  # noqa: E402
-from data import IGNORE_INDEX, PackedData, generate_corpus, load_tokenizer  # noqa: E402
-from model import Transformer, config_for  # noqa: E402
-from train import TARGET_MODULES, forward  # noqa: E402
-
+from launch import cli  # noqa: E402
+from launch.data import IGNORE_INDEX, PackedData, generate_corpus, load_tokenizer  # noqa: E402
+from launch.model import Transformer, config_for  # noqa: E402
+from launch.train import TARGET_MODULES, forward  # noqa: E402
 from parallel_lora.hf import from_pretrained  # noqa: E402
 
 STEPS = 20
@@ -63,10 +60,10 @@ def write_questions(path: Path, n: int = 200) -> Path:
 
 
 def write_mixed(path: Path, n: int = 120) -> Path:
-    """Plain ``{"text"}`` sentences among long prompts with short completions: windows whose target counts differ
+    """Plain sentences (an empty prompt) among long prompts with short completions: windows whose target counts differ
     several-fold, where a mean of per-batch means would differ from the mean over targets."""
     sentences = generate_corpus(6000, seed=2).replace("\n\n", " ").split(". ")
-    rows = [{"text": sentences[i] + "."} if i % 3 == 0 else
+    rows = [{"prompt": "", "completion": sentences[i] + "."} if i % 3 == 0 else
             {"prompt": " ".join(sentences[i : i + 3]), "completion": "It is by the hill ."} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -113,6 +110,7 @@ def runs(files, tmp_path_factory) -> dict[str, Path]:
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(EXTRA))
 def test_model_run_lowers_the_train_and_eval_loss(runs, arch):
     rows = metrics(runs[arch])
@@ -133,6 +131,7 @@ def _ours(model_dir: Path, adapter: Path | None, dtype: torch.dtype) -> torch.nn
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(EXTRA))
 def test_model_adapter_loads_into_peft_with_our_logits(runs, files, arch):
     adapter = runs[arch] / "adapter"
@@ -159,6 +158,7 @@ def _mean_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.T
     return total / count
 
 
+@pytest.mark.slow
 def test_model_losses_are_the_mean_over_completion_tokens(runs, files):
     # Step 1 trains from B = 0: its loss is the base's on that step's batch, prompts masked. The last eval loss
     # is the trained model's on every held-out window. Recomputed on one device (tp = 2 sums in another order).
@@ -171,6 +171,7 @@ def test_model_losses_are_the_mean_over_completion_tokens(runs, files):
     assert _mean_loss(trained, data.eval_batches(4)) == pytest.approx(rows[-1]["eval_loss"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_model_resume_with_activation_checkpointing_reproduces_the_run(runs, files, tmp_path):
     # The run as if stopped after its step-10 checkpoint, resumed with transformers' activation checkpointing on:
     # the same batches, optimizer state, dropout masks (rerun in backward) and ops, so the same numbers bit for bit.
@@ -189,6 +190,7 @@ def test_model_resume_with_activation_checkpointing_reproduces_the_run(runs, fil
     assert ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_model_data_parallel_matches_one_process_on_the_same_global_batch(files, tmp_path):
     # dp = 2 at tp = 1 (plain-tensor adapters) with accumulation, on windows whose target counts differ several-fold
     # between ranks and micro-batches (a mean of their means is off by ~3e-3), and 5 eval windows split 3 + 2 over
@@ -217,12 +219,14 @@ def _refused_in_seconds(out: Path, *args: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow
 def test_tp_that_splits_a_key_value_head_is_refused_in_seconds(files, tmp_path):
     err = _refused_in_seconds(tmp_path / "run", "--model", str(files["one_kv_head"]), "--data", str(files["data"]))
     line = "train.py: error: --model: num_key_value_heads=1 is not divisible by the tensor-parallel size tp=2"
     assert err.count(line) == 1, err
 
 
+@pytest.mark.slow
 def test_a_missing_model_is_refused_in_seconds(files, tmp_path):
     missing = tmp_path / "no-such-model"
     err = _refused_in_seconds(tmp_path / "run", "--model", str(missing), "--data", str(files["data"]))
@@ -259,6 +263,7 @@ def test_model_flags_are_checked_before_anything_starts(files, tmp_path, capsys,
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_resume_of_a_model_run_on_the_toy_model_is_refused(runs, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)

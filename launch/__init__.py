@@ -1,0 +1,1 @@
+"""The main job: ``parallel-lora train`` / ``generate`` (``launch.command``), or ``torchrun launch/train.py``."""
