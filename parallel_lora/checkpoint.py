@@ -174,7 +174,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_o
     config = peft_config(modules, None if base_model_name_or_path is None else str(base_model_name_or_path))
     if out.exists():
         _check_adapter_only(out)
-    tensors = {}
+    tensors = _SAVED_TENSORS
+    tensors.clear()
     with _collective("save_adapter"):
         for name, m in modules:
             for factor in _FACTORS:
@@ -189,13 +190,31 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_o
         except Exception as e:
             error = e
     if _distributed():
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
         with _collective("save_adapter"):
-            dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None and error is None:
-            raise RuntimeError(f"save_adapter: rank 0 could not write {out}: {outcome[0]}")
+            failed = _broadcast_outcome(None if error is None else f"{type(error).__name__}: {error}")
+        if failed is not None and error is None:
+            raise RuntimeError(f"save_adapter: rank 0 could not write {out}: {failed}")
     if error is not None:
         raise error
+
+
+# save_adapter's gathered tensors and outcome flags, kept until the next call: gloo's worker thread may drop the last
+# reference to a collective's tensor after wait() returned, and at interpreter shutdown freeing it there aborts.
+_SAVED_TENSORS: dict[str, torch.Tensor] = {}
+_OUTCOME_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _broadcast_outcome(message: str | None) -> str | None:
+    """Rank 0's ``message`` (None: success) on every rank: a kept flag tensor, and the text only on a failure."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = _OUTCOME_FLAGS.setdefault(device, torch.zeros(1, dtype=torch.int32, device=device))
+    flag.fill_(0 if message is None else 1)
+    dist.broadcast(flag, src=0)
+    if not flag.item():
+        return None
+    text = [message]
+    dist.broadcast_object_list(text, src=0)
+    return text[0]
 
 
 def _check_base(model: nn.Module, saved: dict[str, Any], name: str | None, path: str | os.PathLike,

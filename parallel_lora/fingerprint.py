@@ -57,11 +57,17 @@ def _sampled(p: torch.Tensor, local: torch.Tensor | None) -> tuple[torch.Tensor,
     return out, p.device_mesh
 
 
+# The last call's all-reduced tensors, kept: gloo's worker thread may drop its reference to a collective's tensor after
+# wait() returned, and if that is the last one while the interpreter shuts down, the process aborts.
+_KEPT: list[torch.Tensor] = []
+
+
 def base_fingerprint(params: list[tuple[str, torch.Tensor, torch.Tensor | None]], model_type: str | None) -> dict:
     """``{"model_type", "tensors", "parameters", "sha256"}`` of the base ``params`` (name, parameter, its local
     values where they are not the parameter's own: a merged layer's pre-merge weight). Collective where a parameter
     is a DTensor: every rank must call it."""
     samples, pending = {}, {}
+    _KEPT.clear()
     for name, p, local in params:
         values, mesh = _sampled(p, local)
         samples[name] = values
@@ -69,6 +75,7 @@ def base_fingerprint(params: list[tuple[str, torch.Tensor, torch.Tensor | None]]
             pending.setdefault(id(mesh), (mesh, []))[1].append(name)
     for mesh, names in pending.values():  # the same meshes in the same order on every rank
         flat = torch.cat([samples[n] for n in names])
+        _KEPT.append(flat)
         for dim in range(mesh.ndim):
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for n, chunk in zip(names, flat.cpu().split([len(samples[n]) for n in names]), strict=True):
