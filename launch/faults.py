@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel_lora import latest_checkpoint
-from parallel_lora.checkpoint import is_collective_failure
-from parallel_lora.log import rank
+from parallel_lora._checkpoint import is_collective_failure
+from parallel_lora._log import rank
 
 
 class _Run:

@@ -1,12 +1,18 @@
 """parallel_lora: LoRA adapters on Megatron-style tensor-parallel linear layers, with fused Triton kernels."""
 
-from .checkpoint import latest_checkpoint, load_adapter, load_checkpoint, save_adapter, save_checkpoint
+from ._checkpoint import latest_checkpoint, load_adapter, load_checkpoint, save_adapter, save_checkpoint
+from ._merge import disable_adapter, merge_lora, unmerge_lora
 from .config import LoRAConfig
 from .functional import lora_linear
 from .layers import LoRALinear, apply_lora
-from .merge import disable_adapter, merge_lora, unmerge_lora
-from .parallel import ColumnParallelLoRALinear, RowParallelLoRALinear, no_sync
-from .styles import ColwiseParallelLoRA, RowwiseParallelLoRA, lora_plan
+from .tp import (
+    ColumnParallelLoRALinear,
+    ColwiseParallelLoRA,
+    RowParallelLoRALinear,
+    RowwiseParallelLoRA,
+    lora_plan,
+    no_sync,
+)
 
 __all__ = [
     "ColumnParallelLoRALinear",

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._dropout import DropoutStream
+from ._log import logger
 from .config import LoRAConfig
-from .dropout import DropoutStream
 from .functional import LoRAFunction, Plan, Plans, call_key, linear, make_plan
-from .log import logger
 
 
 def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -81,7 +81,7 @@ class LoRAFactor(nn.Linear):
 class LoRALinear(nn.Module):
     """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
 
-    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora.dtypes``).
+    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora._dtypes``).
     """
 
     def __init__(
@@ -225,7 +225,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
 
     Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}`` (the
     modules this call adapted). The summary goes to the ``parallel_lora`` logger, at INFO (printed on rank 0
-    by default, see ``parallel_lora.log``), or at DEBUG with ``verbose=False``.
+    by default, see ``parallel_lora._log``), or at DEBUG with ``verbose=False``.
     Raises ``ValueError`` (listing some module names) when nothing matches.
     """
     selected = list(iter_target_linears(model, config))

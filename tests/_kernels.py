@@ -1,6 +1,6 @@
 """Shared helpers of the ``tests/test_kernels_*.py`` files (the fused Triton LoRA op, ``parallel_lora.kernels``).
 
-Reference: ``parallel_lora.eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
+Reference: ``parallel_lora._eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
 up exactly), with the same ``Dropout``. On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by ``conftest``), so the shapes are small; ``tests/test_kernels_gpu.py`` runs the real shapes on CUDA.
 
@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from parallel_lora import eager
-from parallel_lora.dropout import Dropout
+from parallel_lora import _eager as eager
+from parallel_lora._dropout import Dropout
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,6 +1,6 @@
 """The dropout keep-mask as the kernels draw it (``parallel_lora.kernels.dropout_mask``).
 
-Reference: ``parallel_lora.dropout`` (``hash_uniform``, ``keep_mask``), bit for bit: the eager and the fused
+Reference: ``parallel_lora._dropout`` (``hash_uniform``, ``keep_mask``), bit for bit: the eager and the fused
 backends drop exactly the same elements.
 """
 
@@ -11,7 +11,7 @@ import torch
 from _kernels import DEVICE
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout, hash_uniform, keep_mask
+from parallel_lora._dropout import Dropout, hash_uniform, keep_mask
 from parallel_lora.kernels.dropout_mask import kernel_uniforms
 
 SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]

@@ -1,6 +1,6 @@
 """The fused op on a CUDA GPU at real shapes (``gpu``-marked; skipped without CUDA).
 
-Reference: ``parallel_lora.eager`` in fp64 (``tests/_kernels.py``), repeated runs bit for bit, and what Triton
+Reference: ``parallel_lora._eager`` in fp64 (``tests/_kernels.py``), repeated runs bit for bit, and what Triton
 compiled against the shared-memory estimates.
 """
 
@@ -30,7 +30,7 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask
 from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
 
 

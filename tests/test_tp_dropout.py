@@ -36,9 +36,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import parallel_lora.parallel as parallel
+import parallel_lora.tp.layers as parallel
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask
 
 
 @contextlib.contextmanager

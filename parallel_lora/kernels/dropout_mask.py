@@ -6,9 +6,9 @@ Element ``(m, c)`` of a dropped tensor is kept iff ``u(m, c) >= p`` with (uint32
 
 where ``half(h, 0)`` / ``half(h, 1)`` are the low / high 16 bits of ``h``, ``fmix32`` is murmur3's finalizer,
 ``(k_row, k_col)`` are derived from the 64-bit seed once per program (``mask_keys``, which loads the seed from the
-``[1]`` int64 tensor a kernel's ``seed_ptr`` points to: ``parallel_lora.dropout.hash_keys``), and
+``[1]`` int64 tensor a kernel's ``seed_ptr`` points to: ``parallel_lora._dropout.hash_keys``), and
 ``c`` is the *global* column (``k_offset + k`` for "pre" on ``x [M, K]``, ``j`` in ``[0, r)`` for "post" on
-``x A^T [M, r]``). This is ``parallel_lora.dropout.hash_uniform`` (the eager path), bit for bit. Masks are never
+``x A^T [M, r]``). This is ``parallel_lora._dropout.hash_uniform`` (the eager path), bit for bit. Masks are never
 stored: each kernel that needs one regenerates its tile from the seed (``drop_tile``).
 
 Cost: the row term is hashed once per row of the ``[BM, 1]`` vector and the word term once per word of the
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout, seed_tensor
+from .._dropout import FMIX_M1, FMIX_M2, GOLDEN32, Dropout, seed_tensor
 from .host import cdiv
 
 _FMIX_M1 = tl.constexpr(FMIX_M1)
@@ -47,7 +47,7 @@ def fmix32(x):
 @triton.jit
 def mask_keys(seed_ptr, ACTIVE: tl.constexpr):
     """The call's keys ``(k_row, k_col)`` (uint32 scalars) from its seed, an int64 at ``seed_ptr`` read once per
-    program, so a captured CUDA graph reads each replay's seed (parallel_lora.dropout.hash_keys: every seed bit
+    program, so a captured CUDA graph reads each replay's seed (parallel_lora._dropout.hash_keys: every seed bit
     reaches both keys); ``(0, 0)`` and no load when no mask is ``ACTIVE`` (then ``seed_ptr`` may point anywhere)."""
     k_row = 0
     k_col = 0
@@ -158,7 +158,7 @@ def _draw(seed, p: float, rows: int, cols: int, col_offset: int, device, uniform
 
 def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
     """The ``[rows, cols]`` boolean keep-mask the kernels apply for ``dropout`` (columns shifted by
-    ``k_offset`` for "pre"); equals ``parallel_lora.dropout.keep_mask``. For tests and debugging."""
+    ``k_offset`` for "pre"); equals ``parallel_lora._dropout.keep_mask``. For tests and debugging."""
     if dropout.position not in ("pre", "post"):
         raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
     if rows < 0 or cols < 0:
@@ -171,5 +171,5 @@ def kernel_uniforms(
     seed: int | torch.Tensor, rows: int, cols: int, col_offset: int, device: torch.device | str
 ) -> torch.Tensor:
     """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]``, for ``seed`` (an int, or a ``[1]``
-    int64 tensor on ``device``), to check the eager ``parallel_lora.dropout.hash_uniform`` bit for bit."""
+    int64 tensor on ``device``), to check the eager ``parallel_lora._dropout.hash_uniform`` bit for bit."""
     return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)

@@ -38,10 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .blocks import gemm_tiles
 from .dropout_mask import mask_keys
-from .host import cdiv, dot_options, next_pow2, pad_rank
+from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank
 from .launcher import KernelSpec
 from .tuning import sm_count
 

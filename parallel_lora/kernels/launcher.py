@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from ..backend import interpreting
+from .host import interpreting
 from .tuning import launch_tuned
 from .workspace import with_descriptor_scratch
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from ..log import logger
+from .._log import logger
 from .host import next_pow2
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Column- and row-parallel LoRA linears: DTensor parameters, Megatron-style plain-tensor I/O.
 
-Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.layouts``:
+Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.tp._layouts``:
 
 column  x [*, K] full (SP: [.., S/tp, .., K])  ->  y_local [*, N/tp]
         fwd: none (SP: all-gather x, once for base and LoRA)
@@ -14,11 +14,11 @@ row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
 Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
 Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
 adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
-The activation collectives run inside ``LoRAFunction`` (``parallel_lora.comm``), the adapter shards
+The activation collectives run inside ``LoRAFunction`` (``parallel_lora.tp._comm``), the adapter shards
 come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective. Under
 torch.compile(fullgraph=True) the layers trace whole: functional collectives, the same ones in the same places.
 
-Dropout seeds come from each rank's default generator (``parallel_lora.dropout.DropoutStream``), so the TP ranks
+Dropout seeds come from each rank's default generator (``parallel_lora._dropout.DropoutStream``), so the TP ranks
 of a layer draw one mask only if their generators are in the same state: seed them alike (torchtitan and Megatron
 do) and let them run the same random ops. Each TP group adds its own offset to the seeds, so data-parallel
 replicas draw apart.
@@ -34,7 +34,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .comm import (
+from .._dropout import SEED_BOUND, DropoutStream
+from .._dtypes import cast_to, compute_dtype
+from ..config import LoRAConfig
+from ..functional import LoRAFunction, Plan, Plans, call_key, make_plan
+from ..layers import LoRALinear
+from ._comm import (
     DeferredGradReduction,
     ReducedOutput,
     ReduceScatterOutput,
@@ -44,12 +49,7 @@ from .comm import (
     input_comm,
     output_comm,
 )
-from .config import LoRAConfig
-from .dropout import SEED_BOUND, DropoutStream
-from .dtypes import cast_to, compute_dtype
-from .functional import LoRAFunction, Plan, Plans, call_key, make_plan
-from .layers import LoRALinear
-from .layouts import LAYOUTS
+from ._layouts import LAYOUTS
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: TP groups' seed offsets lie far apart
 
