@@ -78,7 +78,46 @@ class LoRAFactor(nn.Linear):
         pass
 
 
-class LoRALinear(nn.Module):
+class LoRALayer(nn.Module):
+    """What every LoRA layer shares: frozen ``weight [out, in]`` (+ ``bias``), adapters ``lora_A [r, in]`` and
+    ``lora_B [out, r]``, their initialisation at global shapes, the merge switch and the per-signature plans."""
+
+    config: LoRAConfig
+
+    def _init_state(self, dropout_stream: DropoutStream) -> None:
+        self.merged = False
+        self.adapter_enabled = True
+        self._dropout_stream = dropout_stream
+        self._plans = Plans()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Draw W (``nn.Linear``'s default), zero the bias, then ``reset_lora_parameters``: the constructor's draws
+        in its order. This initialises a module built on the meta device, after ``to_empty()``; with the same
+        seed it gives the values the constructor would have. ``generator`` must be on the parameters' device."""
+        self._check_unmerged("reset_parameters")
+        fill_global_(self.weight, lambda w: init_base_weight_(w, generator))
+        if self.bias is not None:
+            with torch.no_grad():
+                local_tensor(self.bias).zero_()  # zeros need no draw, so no rank-0 scatter either
+        self.reset_lora_parameters(generator)
+
+    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
+        """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
+        self._check_unmerged("reset_lora_parameters")
+        fill_global_(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
+        with torch.no_grad():
+            local_tensor(self.lora_B.weight).zero_()
+
+    def _check_unmerged(self, what: str) -> None:
+        if self.merged:
+            raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+
+class LoRALinear(LoRALayer):
     """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
 
     Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora._dtypes``).
@@ -107,10 +146,7 @@ class LoRALinear(nn.Module):
         factory = {"bias": False, "dtype": lora_dtype, "device": w.device}
         self.lora_A = LoRAFactor(self.in_features, r, **factory)
         self.lora_B = LoRAFactor(r, self.out_features, **factory)
-        self.merged = False
-        self.adapter_enabled = True
-        self._dropout_stream = DropoutStream()
-        self._plans = Plans()
+        self._init_state(DropoutStream())
         self.reset_lora_parameters()
 
     @classmethod
@@ -125,32 +161,6 @@ class LoRALinear(nn.Module):
                 p.requires_grad_(False)
         module._add_adapters()
         return module
-
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw W (``nn.Linear``'s default), zero the bias, then ``reset_lora_parameters``: the constructor's draws
-        in its order. This initialises a module built on the meta device, after ``to_empty()``; with the same
-        seed it gives the values the constructor would have. ``generator`` must be on the parameters' device."""
-        self._check_unmerged("reset_parameters")
-        fill_global_(self.weight, lambda w: init_base_weight_(w, generator))
-        if self.bias is not None:
-            with torch.no_grad():
-                local_tensor(self.bias).zero_()  # zeros need no draw, so no rank-0 scatter either
-        self.reset_lora_parameters(generator)
-
-    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A from ``config.init_A`` (global shape), B zeros: the update starts at exactly zero."""
-        self._check_unmerged("reset_lora_parameters")
-        fill_global_(self.lora_A.weight, lambda a: init_lora_A_(a, self.config, generator))
-        with torch.no_grad():
-            local_tensor(self.lora_B.weight).zero_()
-
-    def _check_unmerged(self, what: str) -> None:
-        if self.merged:
-            raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
-
-    @property
-    def scale(self) -> float:
-        return self.config.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -261,8 +271,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
     return model
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:
     """Every LoRA layer in ``model`` (single-device or tensor-parallel), by dotted name."""
     for name, module in model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "merged"):
+        if isinstance(module, LoRALayer):
             yield name, module

@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._dropout import SEED_BOUND, DropoutStream
 from .._dtypes import cast_to, compute_dtype
 from ..config import LoRAConfig
-from ..functional import LoRAFunction, Plan, Plans, call_key, make_plan
-from ..layers import LoRALinear
+from ..functional import LoRAFunction, Plan, call_key, make_plan
+from ..layers import LoRALayer, LoRALinear
 from ._comm import (
     DeferredGradReduction,
     ReducedOutput,
@@ -87,7 +87,7 @@ def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> 
     return device
 
 
-class _ParallelLoRALinear(nn.Module):
+class _ParallelLoRALinear(LoRALayer):
     kind: str = ""
 
     def __init__(
@@ -155,14 +155,12 @@ class _ParallelLoRALinear(nn.Module):
         lora_A, lora_B = src.lora_A.weight.detach(), src.lora_B.weight.detach()
         self.in_features, self.out_features, self.config = src.in_features, src.out_features, src.config
         self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
-        self.merged, self.adapter_enabled = False, True
         self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
         self._deferred_grad = DeferredGradReduction()
         # Different TP groups (data-parallel replicas) see different rows: each draws its seeds at its own offset,
         # keyed by the global rank of the group's first member.
         group_id = int(mesh.mesh.flatten()[0].item())
-        self._dropout_stream = DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND)
-        self._plans = Plans()
+        self._init_state(DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND))
 
         def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
             return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
@@ -173,20 +171,10 @@ class _ParallelLoRALinear(nn.Module):
         self.lora_A.weight = param(lora_A, layout.lora_A, True)
         self.lora_B.weight = param(lora_B, layout.lora_B, True)
 
-    # Initialisation after building on the meta device and ``to_empty()``: LoRALinear's, through
-    # ``fill_global_``, which draws each DTensor's global tensor and keeps rank 0's values.
-    reset_parameters = LoRALinear.reset_parameters
-    reset_lora_parameters = LoRALinear.reset_lora_parameters
-    _check_unmerged = LoRALinear._check_unmerged
-
     # -- helpers -------------------------------------------------------------------------------------------
     @property
     def tp_size(self) -> int:
         return self.mesh.size()
-
-    @property
-    def scale(self) -> float:
-        return self.config.scale
 
     def _group(self):
         return self.mesh.get_group()
