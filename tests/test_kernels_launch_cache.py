@@ -27,6 +27,7 @@ from _kernels import (
 from parallel_lora import kernels
 from parallel_lora._dropout import Dropout
 from parallel_lora.kernels import dispatch, launcher
+from parallel_lora.kernels.spec import KernelSpec
 
 
 def test_launcher_specs_name_every_kernel():
@@ -38,7 +39,7 @@ def test_launcher_specs_name_every_kernel():
         module = importlib.import_module(f"parallel_lora.kernels.{info.name}")
         spec = getattr(module, "SPEC", None)
         if spec is not None:
-            assert isinstance(spec, launcher.KernelSpec), module.__name__
+            assert isinstance(spec, KernelSpec), module.__name__
             specs[spec.name] = module
             assert not hasattr(module, "bind"), f"{module.__name__} binds its kernel itself"
     assert set(specs) == set(LAUNCH_NAMES)

@@ -5,13 +5,12 @@ imports no Triton, which comes with ``dispatch`` at the first fused call. Set ``
 to run the kernels in Triton's CPU interpreter. ``docs/kernels.md`` walks through the launches.
 """
 
-_LAZY = {"forward": "dispatch", "backward": "dispatch", "dropout_keep_mask": "dropout_mask"}
-__all__ = sorted(_LAZY)
+__all__ = ["backward", "forward"]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    if name in __all__:
+        from . import dispatch
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(dispatch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

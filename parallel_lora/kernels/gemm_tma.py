@@ -41,7 +41,7 @@ import triton.language as tl
 from .blocks import gemm_tiles
 from .dropout_mask import mask_keys
 from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank
-from .launcher import KernelSpec
+from .spec import KernelSpec
 from .tuning import sm_count
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ import triton.language as tl
 from .blocks import finish_tile
 from .dropout_mask import drop_tile, mask_keys
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch, site_info
+from .launcher import Site, launch, site_info
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
 

@@ -32,7 +32,8 @@ from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch
+from .launcher import Site, launch
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
 

@@ -179,16 +179,6 @@ class _ParallelLoRALinear(LoRALayer):
     def _group(self):
         return self.mesh.get_group()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:  # fmt: skip
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        # Older state dicts hold a dropout stream [seed, step] here; the masks now follow the RNG state: ignore it.
-        key = prefix + "_extra_state"
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-
     def _check_input(self, x: torch.Tensor, width: int) -> None:
         if self.weight.is_meta:
             raise RuntimeError(
