@@ -17,10 +17,7 @@ from typing import NoReturn
 from data import data_file_problem
 from model import PRESETS, check_tp, config_for
 
-from parallel_lora import latest_checkpoint
-from parallel_lora._checkpoint import checkpoint_meta
-from parallel_lora._dropout import P_RANGE, valid_p
-from parallel_lora._log import rank
+from parallel_lora import P_RANGE, checkpoint_meta, latest_checkpoint, rank, valid_p
 
 # Arguments that fix the batches, the model or the schedule: a resumed run that changes one of them
 # cannot reproduce the uninterrupted run, so resume warns.

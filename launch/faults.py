@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel_lora import latest_checkpoint
-from parallel_lora._checkpoint import is_collective_failure
-from parallel_lora._log import rank
+from parallel_lora import is_collective_failure, latest_checkpoint, rank
 
 
 class _Run:

@@ -30,8 +30,7 @@ import faults  # noqa: E402  (launch/ is sys.path[0] when this file runs)
 from cli import RankZeroParser  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 
-from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
-from parallel_lora._peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402
+from parallel_lora import ADAPTER_CONFIG, LoRAConfig, adapter_configs, disable_adapter, load_adapter  # noqa: E402
 from parallel_lora.hf import CheckedCheckpoint, check_checkpoint, from_pretrained  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

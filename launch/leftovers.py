@@ -11,8 +11,7 @@ from pathlib import Path
 
 from cli import RUN_OUTPUTS
 
-from parallel_lora._checkpoint import remove_stale_checkpoint_temporaries
-from parallel_lora._files import remove_stale_temporaries
+from parallel_lora import remove_stale_checkpoint_temporaries, remove_stale_temporaries
 
 
 def sweep(out: Path) -> str | None:

@@ -32,6 +32,16 @@ from ..layers import LoRALinear, apply_lora, lora_modules
 from ..tp.layers import rank_device
 from ._loading import checkpoint_files, init_non_persistent_buffers, load_sharded, plan_load
 
+__all__ = [
+    "CheckedCheckpoint",
+    "check_checkpoint",
+    "check_tp",
+    "from_pretrained",
+    "model_tp_plan",
+    "parallelize",
+    "text_config",
+]
+
 CONFIG_FILE = "config.json"
 # Any one of these makes a tokenizer AutoTokenizer can load (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
