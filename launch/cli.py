@@ -20,10 +20,7 @@ from typing import Any, NoReturn
 from launch import faults
 from launch.data import data_file_problem, read_documents
 from launch.model import PRESETS, check_tp, config_for
-from parallel_lora import latest_checkpoint
-from parallel_lora.checkpoint import checkpoint_meta
-from parallel_lora.dropout import P_RANGE, valid_p
-from parallel_lora.log import rank
+from parallel_lora import P_RANGE, checkpoint_meta, latest_checkpoint, rank, valid_p
 
 # Arguments that fix the batches, the model or the schedule: a resumed run that changes one of them
 # cannot reproduce the uninterrupted run, so resume warns.

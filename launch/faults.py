@@ -31,9 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel_lora import latest_checkpoint
-from parallel_lora.checkpoint import is_collective_failure
-from parallel_lora.log import rank
+from parallel_lora import is_collective_failure, latest_checkpoint, rank
 
 
 class _Run:

@@ -30,9 +30,8 @@ if not __package__:  # run as a file (torchrun launch/generate.py): import this 
 from launch import faults  # noqa: E402
 from launch.cli import RankZeroParser, add_launch_flags, launch_problem, world_size  # noqa: E402
 from launch.data import load_tokenizer  # noqa: E402
-from parallel_lora import LoRAConfig, disable_adapter, load_adapter  # noqa: E402
+from parallel_lora import ADAPTER_CONFIG, LoRAConfig, adapter_configs, disable_adapter, load_adapter  # noqa: E402
 from parallel_lora.hf import CheckedCheckpoint, check_checkpoint, from_pretrained  # noqa: E402
-from parallel_lora.peft_format import ADAPTER_CONFIG, adapter_configs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,8 +1,8 @@
 """What interrupted runs left in ``--output-dir``: the temporaries of writes whose writer is gone, swept at start-up.
 
-Only names the launcher's writers create are candidates (``parallel_lora.files`` beside ``adapter/`` and
+Only names the launcher's writers create are candidates (``parallel_lora._files`` beside ``adapter/`` and
 ``metrics.jsonl``, ``save_checkpoint``'s ``checkpoints/step_<N>.tmp-*``), and only those whose process is gone are
-removed (``parallel_lora.files.writer_gone``). docs/launcher.md lists every name ``--output-dir`` can hold.
+removed (``parallel_lora._files.writer_gone``). docs/launcher.md lists every name ``--output-dir`` can hold.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.cli import RUN_OUTPUTS
-from parallel_lora.checkpoint import remove_stale_checkpoint_temporaries
-from parallel_lora.files import remove_stale_temporaries
+from parallel_lora import remove_stale_checkpoint_temporaries, remove_stale_temporaries
 
 
 def sweep(out: Path) -> str | None:

@@ -53,10 +53,10 @@ from parallel_lora import (  # noqa: E402
     latest_checkpoint,
     load_checkpoint,
     no_sync,
+    replace_file,
     save_adapter,
     save_checkpoint,
 )
-from parallel_lora.files import replace_file  # noqa: E402
 from parallel_lora.hf import from_pretrained, text_config  # noqa: E402  (transformers is imported when a model is built)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

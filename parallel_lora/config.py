@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import BACKENDS
-from .dropout import P_RANGE, valid_p
+from ._dropout import P_RANGE, valid_p
+from .functional import BACKENDS
 
 INIT_A_CHOICES = ("kaiming", "xavier", "gaussian")
 DROPOUT_POSITIONS = ("pre", "post")

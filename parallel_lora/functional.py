@@ -15,11 +15,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import eager
-from .backend import resolve_backend
-from .dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
-from .dtypes import autocast_off, cast_to, compute_dtype
-from .ops import fused_backward, fused_forward
+from . import _eager as eager
+from ._dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
+from ._dtypes import autocast_off, cast_to, compute_dtype
+from .kernels.host import interpreting
+from .kernels.ops import fused_backward, fused_forward
+
+BACKENDS = ("auto", "triton", "torch")
 
 _kernels = None  # parallel_lora.kernels (and Triton), imported at the first fused plan
 
@@ -33,11 +35,31 @@ def _dispatch():
     return _kernels
 
 
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA (when Triton imports), ``"torch"`` otherwise; checks the others."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch' (or 'auto'), "
+            "or set TRITON_INTERPRET=1 before importing parallel_lora to run the kernels in Triton's interpreter"
+        )
+    return backend
+
+
 class Plan:
     """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives and sites.
 
     ``p`` is 0 without an active mask (eval mode, p = 0). ``input_comm`` / ``output_comm`` are a tensor-parallel
-    layer's activation collectives (``parallel_lora.comm``), run inside the one autograd node."""
+    layer's activation collectives (``parallel_lora.tp._comm``), run inside the one autograd node."""
 
     def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
                  grad_dtype=None) -> None:  # fmt: skip

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._dropout import DropoutStream
+from ._log import logger
 from .config import LoRAConfig
-from .dropout import DropoutStream
 from .functional import LoRAFunction, Plan, Plans, call_key, linear, make_plan
-from .log import logger
 
 
 def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -78,53 +78,17 @@ class LoRAFactor(nn.Linear):
         pass
 
 
-class LoRALinear(nn.Module):
-    """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
+class LoRALayer(nn.Module):
+    """What every LoRA layer shares: frozen ``weight [out, in]`` (+ ``bias``), adapters ``lora_A [r, in]`` and
+    ``lora_B [out, r]``, their initialisation at global shapes, the merge switch and the per-signature plans."""
 
-    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora.dtypes``).
-    """
+    config: LoRAConfig
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        config: LoRAConfig,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.config = in_features, out_features, config
-        factory = {"dtype": dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, **factory), requires_grad=False) if bias else None
-        init_base_weight_(self.weight)
-        self._add_adapters()
-
-    def _add_adapters(self) -> None:
-        w, r = self.weight, self.config.r
-        lora_dtype = self.config.lora_dtype or w.dtype
-        factory = {"bias": False, "dtype": lora_dtype, "device": w.device}
-        self.lora_A = LoRAFactor(self.in_features, r, **factory)
-        self.lora_B = LoRAFactor(r, self.out_features, **factory)
+    def _init_state(self, dropout_stream: DropoutStream) -> None:
         self.merged = False
         self.adapter_enabled = True
-        self._dropout_stream = DropoutStream()
+        self._dropout_stream = dropout_stream
         self._plans = Plans()
-        self.reset_lora_parameters()
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, config: LoRAConfig) -> LoRALinear:
-        """Wrap an existing ``nn.Linear``: its weight and bias are shared (not copied) and frozen."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.in_features, module.out_features, module.config = linear.in_features, linear.out_features, config
-        module.weight, module.bias = linear.weight, linear.bias
-        for p in (module.weight, module.bias):
-            if p is not None:
-                p.requires_grad_(False)
-        module._add_adapters()
-        return module
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Draw W (``nn.Linear``'s default), zero the bias, then ``reset_lora_parameters``: the constructor's draws
@@ -151,6 +115,52 @@ class LoRALinear(nn.Module):
     @property
     def scale(self) -> float:
         return self.config.scale
+
+
+class LoRALinear(LoRALayer):
+    """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
+
+    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora._dtypes``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: LoRAConfig,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.config = in_features, out_features, config
+        factory = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory), requires_grad=False) if bias else None
+        init_base_weight_(self.weight)
+        self._add_adapters()
+
+    def _add_adapters(self) -> None:
+        w, r = self.weight, self.config.r
+        lora_dtype = self.config.lora_dtype or w.dtype
+        factory = {"bias": False, "dtype": lora_dtype, "device": w.device}
+        self.lora_A = LoRAFactor(self.in_features, r, **factory)
+        self.lora_B = LoRAFactor(r, self.out_features, **factory)
+        self._init_state(DropoutStream())
+        self.reset_lora_parameters()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: LoRAConfig) -> LoRALinear:
+        """Wrap an existing ``nn.Linear``: its weight and bias are shared (not copied) and frozen."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features, module.config = linear.in_features, linear.out_features, config
+        module.weight, module.bias = linear.weight, linear.bias
+        for p in (module.weight, module.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        module._add_adapters()
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -225,7 +235,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
 
     Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}`` (the
     modules this call adapted). The summary goes to the ``parallel_lora`` logger, at INFO (printed on rank 0
-    by default, see ``parallel_lora.log``), or at DEBUG with ``verbose=False``.
+    by default, see ``parallel_lora._log``), or at DEBUG with ``verbose=False``.
     Raises ``ValueError`` (listing some module names) when nothing matches.
     """
     selected = list(iter_target_linears(model, config))
@@ -261,8 +271,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
     return model
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:
     """Every LoRA layer in ``model`` (single-device or tensor-parallel), by dotted name."""
     for name, module in model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "merged"):
+        if isinstance(module, LoRALayer):
             yield name, module

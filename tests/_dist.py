@@ -227,7 +227,7 @@ class Collective:
 
 
 # In-place c10d collectives under the functional collectives' names: the layers' all-reduces are in-place
-# (``parallel_lora.comm.all_reduce``); their gathers and reduce-scatters are functional.
+# (``parallel_lora.tp._comm.all_reduce``); their gathers and reduce-scatters are functional.
 C10D_NAMES = {"allreduce_": "all_reduce"}
 
 

@@ -1,6 +1,6 @@
 """Shared helpers of the ``tests/test_kernels_*.py`` files (the fused Triton LoRA op, ``parallel_lora.kernels``).
 
-Reference: ``parallel_lora.eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
+Reference: ``parallel_lora._eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
 up exactly), with the same ``Dropout``. On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by ``conftest``), so the shapes are small; ``tests/test_kernels_gpu.py`` runs the real shapes on CUDA.
 
@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from parallel_lora import eager
-from parallel_lora.dropout import Dropout
+from parallel_lora import _eager as eager
+from parallel_lora._dropout import Dropout, seed_tensor
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -26,8 +26,13 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 if not (INTERPRETING or HAS_CUDA):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (set by conftest without CUDA)", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
 from parallel_lora.kernels import launcher  # noqa: E402
+from parallel_lora.kernels.dropout_mask import drop_tile, hash_tile, mask_keys  # noqa: E402
+from parallel_lora.kernels.host import cdiv  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -148,3 +153,76 @@ def clear_sites() -> None:
 
     dispatch._FORWARD_SITES.clear()
     dispatch._BACKWARD_SITES.clear()
+
+
+# The keep-mask and uniforms as the kernels draw them, materialized by a tiny kernel of the kernels' own helpers.
+@triton.jit
+def uniform_tile(k_row, k_col, rows, cols):
+    """Uniform fp32 in [0, 1) for the broadcast tile of ``rows`` x ``cols``, one hash per element (for tests:
+    the kernels draw two elements per hash through ``drop_tile``): the half ``cols & 1`` of ``h(rows, cols >> 1)``
+    times ``2**-16`` (exact)."""
+    c = cols.to(tl.uint32)
+    h = hash_tile(k_row, k_col, rows, c >> 1)
+    return ((h >> ((c & 1) * 16)) & 0xFFFF).to(tl.float32) * 1.52587890625e-05
+
+
+@triton.jit(do_not_specialize=["col_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+def _lora_dropout_mask_kernel(
+    out_ptr,  # [rows, cols] uint8 keep-mask, or fp32 uniforms when WRITE_UNIFORM
+    rows,
+    cols,
+    stride_om,
+    stride_oc,
+    p,
+    seed_ptr,  # [1] int64, the call's seed
+    col_offset,
+    WRITE_UNIFORM: tl.constexpr,
+    ODD_OFFSET: tl.constexpr,  # col_offset is odd
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :] * stride_oc
+    in_bounds = (offs_m[:, None] < rows) & (offs_c[None, :] < cols)
+    k_row, k_col = mask_keys(seed_ptr, True)
+    if WRITE_UNIFORM:
+        u = uniform_tile(k_row, k_col, offs_m[:, None], col_offset + offs_c[None, :])
+        tl.store(ptrs, u, mask=in_bounds)
+    else:  # the kernels' own helper, so tests of this mask cover drop_tile (odd column offsets too)
+        keep = drop_tile(tl.full((BLOCK_M, BLOCK_C), 1, tl.uint8), k_row, k_col, p, offs_m,
+                         col_offset + tl.program_id(1) * BLOCK_C, ODD_OFFSET)  # fmt: skip
+        tl.store(ptrs, keep, mask=in_bounds)
+
+
+def _draw(seed, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
+    out = torch.empty(rows, cols, device=device, dtype=torch.float32 if uniform else torch.uint8)
+    if rows == 0 or cols == 0:
+        return out
+    if not isinstance(seed, torch.Tensor):
+        seed = seed_tensor(seed, device)
+    grid = (cdiv(rows, 32), cdiv(cols, 32))
+    _lora_dropout_mask_kernel[grid](
+        out, rows, cols, out.stride(0), out.stride(1), float(p), seed, int(col_offset),
+        WRITE_UNIFORM=uniform, ODD_OFFSET=col_offset % 2 == 1, BLOCK_M=32, BLOCK_C=32,
+    )  # fmt: skip
+    return out
+
+
+def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
+    """The ``[rows, cols]`` boolean keep-mask the kernels apply for ``dropout`` (columns shifted by
+    ``k_offset`` for "pre"); equals ``parallel_lora._dropout.keep_mask``. For tests and debugging."""
+    if dropout.position not in ("pre", "post"):
+        raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
+    if rows < 0 or cols < 0:
+        raise ValueError(f"rows and cols must be >= 0, got rows={rows}, cols={cols}")
+    offset = dropout.k_offset if dropout.position == "pre" else 0
+    return _draw(dropout.seed, dropout.p, rows, cols, offset, device, uniform=False).view(torch.bool)
+
+
+def kernel_uniforms(
+    seed: int | torch.Tensor, rows: int, cols: int, col_offset: int, device: torch.device | str
+) -> torch.Tensor:
+    """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]``, for ``seed`` (an int, or a ``[1]``
+    int64 tensor on ``device``), to check the eager ``parallel_lora._dropout.hash_uniform`` bit for bit."""
+    return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)

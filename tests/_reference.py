@@ -3,7 +3,7 @@
 Reference: ``y = x W^T + b + s * (drop(x) A^T) B^T`` evaluated in float64 by plain autograd from the *same*
 tensors the op receives, each already rounded to the dtype the defined compute uses (``x``, ``W``, ``b`` in
 the compute dtype; the adapters in their own storage dtype). Its gradients are the fp64 ``dx, dW, db, dA, dB``
-of ``<y, dy>``. Nothing in it depends on the library except ``parallel_lora.dropout.keep_mask`` (the mask
+of ``<y, dy>``. Nothing in it depends on the library except ``parallel_lora._dropout.keep_mask`` (the mask
 definition, which the dropout tests check independently of any backend).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask
 
 F64 = torch.float64
 

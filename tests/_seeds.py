@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-import parallel_lora.dropout
+import parallel_lora._dropout
 
 
 @contextlib.contextmanager
@@ -16,7 +16,7 @@ def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor]]]:
     """Yields a list that collects every seed drawn at run time (not while tracing), in order, with whether the draw
     ran in a backward pass (a checkpoint's rerun or recompute). Enter it before compiling: Dynamo guards on the
     draw function."""
-    seeds, draw = [], parallel_lora.dropout.draw_seed
+    seeds, draw = [], parallel_lora._dropout.draw_seed
 
     def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         seed = draw(like, offset)
@@ -24,11 +24,11 @@ def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor]]]:
             seeds.append((torch._C._current_graph_task_id() != -1, seed.clone()))
         return seed
 
-    parallel_lora.dropout.draw_seed = recording
+    parallel_lora._dropout.draw_seed = recording
     try:
         yield seeds
     finally:
-        parallel_lora.dropout.draw_seed = draw
+        parallel_lora._dropout.draw_seed = draw
 
 
 @contextlib.contextmanager

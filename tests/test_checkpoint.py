@@ -24,7 +24,7 @@ from parallel_lora import (
     save_adapter,
     save_checkpoint,
 )
-from parallel_lora.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from parallel_lora._checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def test_round_trip_restores_adapters_exactly(tmp_path):
@@ -334,7 +334,7 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_loading(tmp_pat
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert not opt.state and torch.equal(torch.get_rng_state(), rng)
     if kind == "data position":
-        from parallel_lora.checkpoint import checkpoint_meta
+        from parallel_lora._checkpoint import checkpoint_meta
 
         with pytest.raises(ValueError, match="meta.json fails its checksum"):
             checkpoint_meta(path)

@@ -19,7 +19,7 @@ from _dist import mesh, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import DeviceMesh
 
-import parallel_lora.checkpoint
+import parallel_lora._checkpoint
 from parallel_lora import (
     ColumnParallelLoRALinear,
     LoRAConfig,
@@ -31,7 +31,7 @@ from parallel_lora import (
     save_adapter,
     save_checkpoint,
 )
-from parallel_lora.checkpoint import ADAPTER_WEIGHTS
+from parallel_lora._checkpoint import ADAPTER_WEIGHTS
 
 CONFIG = LoRAConfig(r=3, alpha=6, lora_dtype=torch.float32)
 
@@ -102,13 +102,13 @@ def _train_and_save_rank(root, old_streams=False):
     x = torch.randn(4, 8)
     model(x).square().mean().backward()
     opt.step()
-    trainable_state = parallel_lora.checkpoint._trainable_state
+    trainable_state = parallel_lora._checkpoint._trainable_state
     if old_streams:
-        parallel_lora.checkpoint._trainable_state = _with_old_dropout_streams(trainable_state)
+        parallel_lora._checkpoint._trainable_state = _with_old_dropout_streams(trainable_state)
     try:
         save_checkpoint(root, model, opt, step=1)
     finally:
-        parallel_lora.checkpoint._trainable_state = trainable_state
+        parallel_lora._checkpoint._trainable_state = trainable_state
     moments = {n: opt.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     return _full_adapters(model), moments
 
@@ -326,7 +326,7 @@ def _single_copy(model):
 
 
 def _fingerprint_rank(path):
-    from parallel_lora.checkpoint import _base_fingerprint
+    from parallel_lora._checkpoint import _base_fingerprint
 
     model = Pair(mesh(), seed=1)
     if path is not None:

@@ -1,5 +1,5 @@
-"""The layers under ``torch.compile(fullgraph=True)`` and in CUDA graphs (``parallel_lora.ops``, the dropout seeds
-of ``parallel_lora.dropout``, the functional collectives of ``parallel_lora.comm``).
+"""The layers under ``torch.compile(fullgraph=True)`` and in CUDA graphs (``parallel_lora.kernels.ops``, the dropout
+seeds of ``parallel_lora._dropout``, the functional collectives of ``parallel_lora.tp._comm``).
 
 Reference: the same module run eagerly (a deep copy), from the same generator state. ``aot_eager`` runs the very
 ops the eager path runs, and Inductor on the CPU computes this small ReLU model's ops exactly, so there the compiled
@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
-import parallel_lora.comm
+import parallel_lora.tp._comm as comm
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear, no_sync
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -282,8 +282,8 @@ def _compiled_no_sync_matches_eager(micro_steps: int = 3) -> None:
     compiled_model = copy.deepcopy(model)
     compiled = torch.compile(compiled_model, fullgraph=True, backend=graphs)
     hooked = []
-    reduce = parallel_lora.comm.reduce_accumulated_grad
-    parallel_lora.comm.reduce_accumulated_grad = lambda param, group: hooked.append(param.dim()) or reduce(param, group)
+    reduce = comm.reduce_accumulated_grad
+    comm.reduce_accumulated_grad = lambda param, group: hooked.append(param.dim()) or reduce(param, group)
     try:
         batches = [torch.randn(2, 8, 16) for _ in range(micro_steps + 1)]
         grads, state = [], torch.get_rng_state()
@@ -300,7 +300,7 @@ def _compiled_no_sync_matches_eager(micro_steps: int = 3) -> None:
             grads[-1] += [p.grad.to_local() for p in m.parameters() if p.requires_grad]
             assert hooked == [2, 2], f"the synced micro-step's hook reduced {hooked}, not each replicated factor once"
     finally:
-        parallel_lora.comm.reduce_accumulated_grad = reduce
+        comm.reduce_accumulated_grad = reduce
     for i, (g, w) in enumerate(zip(grads[1], grads[0], strict=True)):
         assert torch.equal(g, w), f"adapter grad {i} of the compiled accumulation differs from eager"
     adapter_reductions = [sum(n for (name, ndim), n in found.items() if ndim == 2) for _, found in graphs.graphs]

@@ -1,4 +1,4 @@
-"""Tests for ``parallel_lora.dropout``: the counter-based mask hash, on the torch side (CPU).
+"""Tests for ``parallel_lora._dropout``: the counter-based mask hash, on the torch side (CPU).
 
 The Triton transcription is checked bit for bit against this one in ``tests/test_kernels_dropout_mask.py``; here
 the hash's arithmetic is checked against plain Python integers, and its statistics against those of independent
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel_lora.dropout import (
+from parallel_lora._dropout import (
     Dropout,
     DropoutStream,
     _mul32,

@@ -1,4 +1,4 @@
-"""Temporaries of ``parallel_lora.files`` and ``save_checkpoint``: each carries its writer's ``<pid>@<host>``, and the
+"""Temporaries of ``parallel_lora._files`` and ``save_checkpoint``: each carries its writer's ``<pid>@<host>``, and the
 writers remove those of the path they replace once that writer is gone, never a live writer's or another name.
 
 Reference: a process that has exited (a finished ``sleep``) stands for a writer killed mid-write."""
@@ -12,7 +12,7 @@ import torch
 from _adapters import adapted, base_model
 
 from parallel_lora import latest_checkpoint, save_adapter, save_checkpoint
-from parallel_lora.files import HOST, remove_stale_temporaries, replace_file, writer_gone
+from parallel_lora._files import HOST, remove_stale_temporaries, replace_file, writer_gone
 
 
 def _dead_pid() -> int:

@@ -43,7 +43,7 @@ from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, u
 )
 from _reference import GPU_BF16, TOLERANCES, assert_close, lora_reference
 
-import parallel_lora.eager as eager
+import parallel_lora._eager as eager
 from parallel_lora import lora_linear
 from parallel_lora.functional import resolve_backend
 

@@ -4,7 +4,7 @@ device tensors, drawn per call when not given. Last, capture in a CUDA graph: a 
 replay would reuse one mask), and the fused step (no dropout) replays to the eager results bit for bit.
 
 Reference: ``tests/_reference.lora_reference`` with the same ``Dropout``, or the dropped branch computed by hand from
-``parallel_lora.dropout.keep_mask``.
+``parallel_lora._dropout.keep_mask``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, u
 )
 from _reference import assert_close, lora_reference
 
-from parallel_lora.dropout import Dropout, keep_mask, seed_tensor
+from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
 
 # ---------------------------------------------------------------------------------------------------------
 # Dropout (on the LoRA branch only; the mask is a function of (seed, row, column)).

@@ -1,6 +1,6 @@
 """The fused op (``parallel_lora.kernels.forward`` / ``backward``) against the eager oracle, and its input checks.
 
-Reference: ``parallel_lora.eager`` in fp64 on the same inputs (``tests/_kernels.py`` states the error measure).
+Reference: ``parallel_lora._eager`` in fp64 on the same inputs (``tests/_kernels.py`` states the error measure).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout
+from parallel_lora._dropout import Dropout
 from parallel_lora.kernels import workspace
 from parallel_lora.kernels.adapter_grads import split_rows
 

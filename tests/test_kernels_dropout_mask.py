@@ -1,6 +1,6 @@
 """The dropout keep-mask as the kernels draw it (``parallel_lora.kernels.dropout_mask``).
 
-Reference: ``parallel_lora.dropout`` (``hash_uniform``, ``keep_mask``), bit for bit: the eager and the fused
+Reference: ``parallel_lora._dropout`` (``hash_uniform``, ``keep_mask``), bit for bit: the eager and the fused
 backends drop exactly the same elements.
 """
 
@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import DEVICE
+from _kernels import DEVICE, dropout_keep_mask, kernel_uniforms
 
-from parallel_lora import kernels
-from parallel_lora.dropout import Dropout, hash_uniform, keep_mask
-from parallel_lora.kernels.dropout_mask import kernel_uniforms
+from parallel_lora._dropout import Dropout, hash_uniform, keep_mask
 
 SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
 
@@ -34,7 +32,7 @@ def test_dropout_mask_kernel_uniforms_are_bit_exact_with_torch(seed, rows, cols,
 @pytest.mark.parametrize("seed", [3, 2**33 + 5])
 def test_dropout_mask_equals_keep_mask(position, k_offset, p, seed):
     drop = Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
-    mask = kernels.dropout_keep_mask(drop, 50, 70, DEVICE)
+    mask = dropout_keep_mask(drop, 50, 70, DEVICE)
     assert mask.dtype == torch.bool
     assert torch.equal(mask, keep_mask(drop, 50, 70, DEVICE))
     assert abs(mask.float().mean().item() - (1 - p)) < 0.05
@@ -51,7 +49,7 @@ def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
     picks = [*low[low < 0.5][:2].tolist(), *high[high < 0.5][:2].tolist()]
     for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16, 0.0):
         for cols, offset in ((64, 0), (37, 5)):
-            mask = kernels.dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
+            mask = dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
             want = kernel_uniforms(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
             assert torch.equal(mask, want), (p, offset)
             if p == picks[0]:
@@ -59,13 +57,13 @@ def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
 
 
 def test_dropout_mask_of_a_shard_is_a_slice_of_the_full_mask():
-    full = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
-    shard = kernels.dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
+    full = dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
+    shard = dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
     assert torch.equal(shard, full[:, 48:])
 
 
 def test_dropout_mask_differs_between_seeds():
-    masks = [kernels.dropout_keep_mask(Dropout(p=0.5, seed=s), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
+    masks = [dropout_keep_mask(Dropout(p=0.5, seed=s), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
     for i in range(len(masks)):
         for j in range(i):
             assert (masks[i] != masks[j]).float().mean() > 0.3

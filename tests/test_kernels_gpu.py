@@ -1,6 +1,6 @@
 """The fused op on a CUDA GPU at real shapes (``gpu``-marked; skipped without CUDA).
 
-Reference: ``parallel_lora.eager`` in fp64 (``tests/_kernels.py``), repeated runs bit for bit, and what Triton
+Reference: ``parallel_lora._eager`` in fp64 (``tests/_kernels.py``), repeated runs bit for bit, and what Triton
 compiled against the shared-memory estimates.
 """
 
@@ -21,6 +21,7 @@ from _kernels import (
     check_against_eager,
     clear_sites,
     count_launches,
+    dropout_keep_mask,
     gpu,
     make_inputs,
     needs_cuda,
@@ -30,8 +31,9 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask
 from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
+from parallel_lora.kernels.spec import KernelSpec
 
 
 @gpu
@@ -103,7 +105,7 @@ def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     second = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
     for a, c in zip(first, second, strict=True):
         assert torch.equal(a, c)
-    assert torch.equal(kernels.dropout_keep_mask(drop, 512, 1024, "cuda"), keep_mask(drop, 512, 1024, "cuda"))
+    assert torch.equal(dropout_keep_mask(drop, 512, 1024, "cuda"), keep_mask(drop, 512, 1024, "cuda"))
 
 
 @gpu
@@ -292,7 +294,7 @@ def test_smem_check_launches_with_an_allocator_and_gives_the_callers_back(monkey
             return launch
 
     configs = [triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=2)]
-    spec = launcher.KernelSpec("fake", lambda: configs, ("M",), lambda *a: 0, lambda *a: True, lambda n: 1, "x_ptr")
+    spec = KernelSpec("fake", lambda: configs, ("M",), lambda *a: 0, lambda *a: True, lambda n: 1, "x_ptr")
     monkeypatch.setattr(tuning, "max_shared_mem", lambda device: 1 << 20)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     callers = _allocator.get()

@@ -25,8 +25,9 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora.dropout import Dropout
+from parallel_lora._dropout import Dropout
 from parallel_lora.kernels import dispatch, launcher
+from parallel_lora.kernels.spec import KernelSpec
 
 
 def test_launcher_specs_name_every_kernel():
@@ -38,7 +39,7 @@ def test_launcher_specs_name_every_kernel():
         module = importlib.import_module(f"parallel_lora.kernels.{info.name}")
         spec = getattr(module, "SPEC", None)
         if spec is not None:
-            assert isinstance(spec, launcher.KernelSpec), module.__name__
+            assert isinstance(spec, KernelSpec), module.__name__
             specs[spec.name] = module
             assert not hasattr(module, "bind"), f"{module.__name__} binds its kernel itself"
     assert set(specs) == set(LAUNCH_NAMES)
@@ -167,7 +168,7 @@ def test_dispatch_bound_forward_still_checks_scale_and_dropout():
     kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
     with pytest.raises(ValueError, match="scale must be a finite float"):
         kernels.forward(x, weight, b, lora_A, lora_B, float("nan"), None)
-    with pytest.raises(ValueError, match="dropout must be a parallel_lora.dropout.Dropout"):
+    with pytest.raises(ValueError, match="dropout must be a parallel_lora._dropout.Dropout"):
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, 0.1)
     with pytest.raises(ValueError, match="dropout.seed must be an int or a 1-element int64 tensor"):
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, Dropout(p=0.1, seed=torch.tensor([1.0])))

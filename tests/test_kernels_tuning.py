@@ -15,7 +15,8 @@ import pytest
 import torch
 import triton
 
-from parallel_lora.kernels import gemm, launcher, shrink, tuning
+from parallel_lora.kernels import gemm, shrink, tuning
+from parallel_lora.kernels.spec import KernelSpec
 
 _SPECS = {
     "gemm": ("parallel_lora.kernels.gemm", {"M": 8192, "N_OUT": 4096, "K_RED": 4096}),
@@ -103,7 +104,7 @@ def test_tuning_buckets_the_token_count_and_keeps_the_layer_sizes():
     assert sizes(4097, 4096, 16) == (8192, 4096, 16)
     assert sizes(3000, 4095, 16) != sizes(3000, 4096, 16) and sizes(3000, 4096, 8) != sizes(3000, 4096, 16)
     with pytest.raises(ValueError, match="start with the token count M"):
-        launcher.KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
+        KernelSpec("x", spec.configs, ("K", "M"), spec.smem, spec.fits, spec.work, "x_ptr")
 
 
 def test_tuning_each_constexpr_variant_has_its_own_config():

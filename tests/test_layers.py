@@ -18,7 +18,7 @@ from _recipes import reset_every_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel_lora import LoRAConfig, LoRALinear, merge_lora
-from parallel_lora.dropout import CallSeeds
+from parallel_lora._dropout import CallSeeds
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -16,7 +16,7 @@ from parallel_lora import (
     load_adapter,
     save_adapter,
 )
-from parallel_lora.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from parallel_lora._checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def test_saved_file_has_peft_keys_shapes_and_config(tmp_path):

@@ -16,6 +16,7 @@ import parallel_lora.functional as functional
 import parallel_lora.layers as layers
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear
 from parallel_lora.kernels import dispatch, launcher
+from parallel_lora.kernels.spec import KernelSpec
 
 F32 = torch.float32
 
@@ -115,7 +116,7 @@ def test_bound_signatures_are_capped(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args: None
 
-    spec = launcher.KernelSpec("stub", list, ("M",), lambda *a: 0, lambda *a: True, lambda n: 0, "x_ptr")
+    spec = KernelSpec("stub", list, ("M",), lambda *a: 0, lambda *a: True, lambda n: 0, "x_ptr")
     kernel = type("Kernel", (), {"__name__": "stub_kernel", "arg_names": ["x_ptr"]})()
     monkeypatch.setattr(launcher, "interpreting", lambda: False)
     monkeypatch.setattr(launcher, "BOUND_KEPT", 4)

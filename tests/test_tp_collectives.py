@@ -28,7 +28,7 @@ from _tp import (
 )
 from torch.distributed.tensor.debug import CommDebugMode
 
-from parallel_lora.layouts import LAYOUTS
+from parallel_lora.tp._layouts import LAYOUTS
 
 AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
 # (forward, backward) per layer kind and SP; the backward includes dx (x requires grad).

@@ -36,9 +36,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import parallel_lora.parallel as parallel
+import parallel_lora.tp.layers as parallel
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
-from parallel_lora.dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask
 
 
 @contextlib.contextmanager
@@ -127,8 +127,8 @@ def test_dropout_masks_are_slices_of_the_single_device_mask(world_size, position
 def _dropout_seeds_follow_the_generators() -> None:
     """Dropout seeds come from each rank's default generator: the tp ranks of a group, seeded alike, draw one mask;
     data-parallel replicas (other tp groups) draw apart; restoring the generator replays the seeds (so a resumed run,
-    whose ranks get their saved RNG states back, draws the uninterrupted run's masks). A state dict from when the
-    layers kept a dropout stream (``[seed, step]`` as ``_extra_state``) still loads strictly, the stream ignored."""
+    whose ranks get their saved RNG states back, draws the uninterrupted run's masks). The layer keeps no extra
+    state: a state dict that holds one (``_extra_state``) is refused by a strict load like any unexpected key."""
     mesh = _dist.mesh((2, 2), ("dp", "tp"))["tp"]
     torch.manual_seed(1)
     layer = ColumnParallelLoRALinear(K, H, LoRAConfig(r=R, alpha=6, dropout=0.3), mesh).train()
@@ -156,8 +156,8 @@ def _check_seeds_follow_the_generators(layer, x, used: list) -> None:
     assert alone[0] != alone[1], alone
     state_dict = layer.state_dict()
     assert not [k for k in state_dict if k.endswith("_extra_state")], list(state_dict)
-    loaded = layer.load_state_dict({**state_dict, "_extra_state": torch.tensor([12345, 3])})
-    assert loaded.missing_keys == [] and loaded.unexpected_keys == [], loaded
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"_extra_state\""):
+        layer.load_state_dict({**state_dict, "_extra_state": torch.tensor([12345, 3])})
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"extra\""):
         layer.load_state_dict({**state_dict, "extra": torch.tensor([12345, 3])})
 

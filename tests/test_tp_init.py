@@ -22,7 +22,7 @@ from _tp import (
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel_lora import ColumnParallelLoRALinear, LoRALinear, RowParallelLoRALinear
-from parallel_lora.layouts import LAYOUTS
+from parallel_lora.tp._layouts import LAYOUTS
 
 
 def _init_independent_of_tp(seed: int) -> None:

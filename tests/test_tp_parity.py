@@ -78,7 +78,7 @@ def test_column_row_mlp_matches_single_device_fp64(world_size, sp, dtype):
 def _param_grads_take_the_parameter_spec_or_from_local() -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from parallel_lora.comm import param_grad
+    from parallel_lora.tp._comm import param_grad
 
     mesh = _dist.mesh()
     tp = mesh.size()

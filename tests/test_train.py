@@ -366,7 +366,7 @@ def _dead_pid() -> int:
 
 @pytest.mark.slow
 def test_resume_sweeps_the_temporaries_of_killed_writes_and_nothing_else(run_a, tmp_path):
-    from parallel_lora.files import HOST
+    from parallel_lora._files import HOST
 
     out = tmp_path / "run"
     shutil.copytree(run_a, out)

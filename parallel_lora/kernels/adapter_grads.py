@@ -26,12 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
-from .host import cdiv, dot_options, keep_scale, next_pow2, pad_rank, seed_arg
-from .launcher import KernelSpec, Site, launch, site_info
+from .host import cdiv, dot_options, interpreting, keep_scale, next_pow2, pad_rank, seed_arg
+from .launcher import Site, launch, site_info
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 

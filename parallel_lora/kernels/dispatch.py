@@ -1,6 +1,6 @@
 """The fused Triton LoRA op on one device (one TP shard): which launches a forward and a backward make.
 
-Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, see ``parallel_lora.dtypes``):
+Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, see ``parallel_lora._dtypes``):
 
     forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
               S = s * drop_post(drop_pre(x) A^T)          shrink kernel        (saved for backward)
@@ -18,7 +18,7 @@ Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, 
 Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
 regenerated from ``dropout.seed`` in both passes (never stored): a ``[1]`` int64 tensor on the operands' device
 that the kernels read in device memory (an int seed is copied there first); p and s are runtime kernel arguments.
-The oracle is ``parallel_lora.eager``.
+The oracle is ``parallel_lora._eager``.
 
 Each op call is keyed by its operands' layouts (``forward_key`` / ``backward_key``); a layout's first call
 checks the operands and fills one ``launcher.Site`` per launch, and later calls launch the bound kernels.
@@ -31,13 +31,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..backend import interpreting
-from ..dropout import P_RANGE, Dropout, seed_tensor, valid_p
+from .._dropout import P_RANGE, Dropout, seed_tensor, valid_p
 from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
 from .gemm_tma import tma_compatible, tma_operand
-from .host import pad_rank
+from .host import interpreting, pad_rank
 from .launcher import Site
 from .shrink import lora_shrink
 from .shrink_db import lora_shrink_db, takes_db_partials
@@ -104,7 +103,7 @@ def _check_scalars(scale, dropout) -> None:
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     if dropout is not None:
         if not isinstance(dropout, Dropout):
-            raise ValueError(f"dropout must be a parallel_lora.dropout.Dropout or None, got {dropout!r}")
+            raise ValueError(f"dropout must be a parallel_lora._dropout.Dropout or None, got {dropout!r}")
         if not valid_p(dropout.p):
             raise ValueError(f"dropout.p must be in {P_RANGE}, got {dropout.p}")
         if dropout.position not in ("pre", "post"):

@@ -25,13 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, partials_workspace, reduce_smem
 from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
-from .host import dot_options, keep_scale, pad_rank, seed_arg
-from .launcher import KernelSpec, Site, launch, site_info
+from .host import dot_options, interpreting, keep_scale, pad_rank, seed_arg
+from .launcher import Site, launch, site_info
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 

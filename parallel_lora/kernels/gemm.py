@@ -28,7 +28,8 @@ import triton.language as tl
 from .dropout_mask import drop_tile, mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
 from .host import cdiv, dot_options, keep_scale, pad_rank, seed_arg
-from .launcher import KernelSpec, Site, launch
+from .launcher import Site, launch
+from .spec import KernelSpec
 
 
 def gemm_configs() -> list[triton.Config]:

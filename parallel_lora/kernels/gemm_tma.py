@@ -38,11 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .blocks import gemm_tiles
 from .dropout_mask import mask_keys
-from .host import cdiv, dot_options, next_pow2, pad_rank
-from .launcher import KernelSpec
+from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank
+from .spec import KernelSpec
 from .tuning import sm_count
 
 # ---------------------------------------------------------------------------------------------------------

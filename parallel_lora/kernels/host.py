@@ -1,11 +1,20 @@
-"""Host-side arithmetic the launchers share: ceiling division, powers of two, the rank tile, dot options, the
-dropout scales and the seed pointer."""
+"""Host-side arithmetic the launchers share: whether Triton interprets, ceiling division, powers of two, the rank
+tile, dot options, the dropout scales and the seed pointer."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..backend import interpreting
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton fixes the mode of each ``@triton.jit`` when it is defined, so set it before importing
+    ``parallel_lora.kernels``; read at every call (the kernels ask only at a launch layout's first call).
+    """
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(a: int, b: int) -> int:

@@ -22,7 +22,8 @@ import triton.language as tl
 from .blocks import shrink_rows
 from .dropout_mask import mask_keys
 from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch
+from .launcher import Site, launch
+from .spec import KernelSpec
 
 
 def shrink_configs() -> list[triton.Config]:

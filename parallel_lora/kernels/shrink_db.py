@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .blocks import finish_tile
 from .dropout_mask import drop_tile, mask_keys
-from .host import cdiv, dot_options, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch, site_info
+from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
+from .launcher import Site, launch, site_info
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
 

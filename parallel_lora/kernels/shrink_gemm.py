@@ -28,12 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import interpreting
 from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile, tile_coords
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
-from .host import cdiv, dot_options, pad_rank, seed_arg, shrink_scale
-from .launcher import KernelSpec, Site, launch
+from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
+from .launcher import Site, launch
+from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
 

@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from ..log import logger
+from .._log import logger
 from .host import next_pow2
+from .spec import KernelSpec
 
 if TYPE_CHECKING:
     from triton.runtime.jit import JITFunction
-
-    from .launcher import KernelSpec
 
 # A launch grid, as Triton takes it: a tuple, or a function of the config's meta-parameters.
 Grid = Callable[[dict], tuple[int, ...]] | tuple[int, ...]

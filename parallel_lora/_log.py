@@ -5,7 +5,7 @@ logger drops records on ranks other than 0 (``rank()``: of the default process g
 configure it otherwise:
 
 - silence it: ``logging.getLogger("parallel_lora").setLevel(logging.WARNING)``;
-- hear every rank: ``logging.getLogger("parallel_lora").removeFilter(parallel_lora.log.rank_zero_only)``;
+- hear every rank: ``logging.getLogger("parallel_lora").removeFilter(parallel_lora._log.rank_zero_only)``;
 - route it through your own handlers: ``logger.handlers.clear(); logger.propagate = True``.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dropout import Dropout, keep_mask
+from ._dropout import Dropout, keep_mask
 
 
 def _drop(t: torch.Tensor, dropout: Dropout | None, position: str) -> torch.Tensor:

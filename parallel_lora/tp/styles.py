@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from .layers import LoRALinear
-from .parallel import ColumnParallelLoRALinear, RowParallelLoRALinear
+from ..layers import LoRALinear
+from .layers import ColumnParallelLoRALinear, RowParallelLoRALinear
 
 
 class _LoRAStyle(ParallelStyle):

@@ -13,7 +13,7 @@ dispatcher directly otherwise (a custom op's dispatch costs host time the eager 
     lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
     lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
 
-All operands in one dtype (the caller casts, ``parallel_lora.dtypes``); outputs in that dtype.
+All operands in one dtype (the caller casts, ``parallel_lora._dtypes``); outputs in that dtype.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .dropout import Dropout, seed_tensor
+from .._dropout import Dropout, seed_tensor
 
-_KERNELS: list = []  # the fused-kernel module, imported (with Triton) at the first fused call
+_KERNELS: list = []  # the dispatch module, imported (with Triton) at the first fused call
 
 
 def _kernels():
     if not _KERNELS:
-        from . import kernels
+        from . import dispatch
 
-        _KERNELS.append(kernels)
+        _KERNELS.append(dispatch)
     return _KERNELS[0]
 
 

@@ -10,7 +10,7 @@ the head's ``_tp_plan`` into ``model.tp_plan``)::
 ``ColwiseParallelLoRA`` / ``RowwiseParallelLoRA`` on the linears ``apply_lora`` adapted (the others keep the
 torch style), applied to each decoder layer with ``parallelize_module``. ``from_pretrained`` builds the model on
 the meta device, adapts, parallelizes, materializes and reads each rank's shards from the safetensors files
-(``parallel_lora.hf_loading``). Every check runs before a weight is read. transformers is imported only here.
+(``parallel_lora.hf._loading``). Every check runs before a weight is read. transformers is imported only here.
 """
 
 from __future__ import annotations
@@ -27,10 +27,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from .config import LoRAConfig
-from .hf_loading import checkpoint_files, init_non_persistent_buffers, load_sharded, plan_load
-from .layers import LoRALinear, apply_lora, lora_modules
-from .parallel import rank_device
+from ..config import LoRAConfig
+from ..layers import LoRALinear, apply_lora, lora_modules
+from ..tp.layers import rank_device
+from ._loading import checkpoint_files, init_non_persistent_buffers, load_sharded, plan_load
+
+__all__ = [
+    "CheckedCheckpoint",
+    "check_checkpoint",
+    "check_tp",
+    "from_pretrained",
+    "model_tp_plan",
+    "parallelize",
+    "text_config",
+]
 
 CONFIG_FILE = "config.json"
 # Any one of these makes a tokenizer AutoTokenizer can load (fast, SentencePiece, BPE, WordPiece).
@@ -221,7 +231,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     Raises ``ValueError`` for a model without a plan at ``mesh.size() > 1``, a value it cannot honour (named with its
     entry), or a sharded linear that does not divide by the mesh size.
     """
-    from .styles import lora_plan
+    from ..tp.styles import lora_plan
 
     tp = mesh.size()
     plan = model_tp_plan(model)

@@ -1,6 +1,6 @@
 """Column- and row-parallel LoRA linears: DTensor parameters, Megatron-style plain-tensor I/O.
 
-Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.layouts``:
+Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.tp._layouts``:
 
 column  x [*, K] full (SP: [.., S/tp, .., K])  ->  y_local [*, N/tp]
         fwd: none (SP: all-gather x, once for base and LoRA)
@@ -14,11 +14,11 @@ row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
 Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
 Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
 adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
-The activation collectives run inside ``LoRAFunction`` (``parallel_lora.comm``), the adapter shards
+The activation collectives run inside ``LoRAFunction`` (``parallel_lora.tp._comm``), the adapter shards
 come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective. Under
 torch.compile(fullgraph=True) the layers trace whole: functional collectives, the same ones in the same places.
 
-Dropout seeds come from each rank's default generator (``parallel_lora.dropout.DropoutStream``), so the TP ranks
+Dropout seeds come from each rank's default generator (``parallel_lora._dropout.DropoutStream``), so the TP ranks
 of a layer draw one mask only if their generators are in the same state: seed them alike (torchtitan and Megatron
 do) and let them run the same random ops. Each TP group adds its own offset to the seeds, so data-parallel
 replicas draw apart.
@@ -34,7 +34,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .comm import (
+from .._dropout import SEED_BOUND, DropoutStream
+from .._dtypes import cast_to, compute_dtype
+from ..config import LoRAConfig
+from ..functional import LoRAFunction, Plan, call_key, make_plan
+from ..layers import LoRALayer, LoRALinear
+from ._comm import (
     DeferredGradReduction,
     ReducedOutput,
     ReduceScatterOutput,
@@ -44,12 +49,7 @@ from .comm import (
     input_comm,
     output_comm,
 )
-from .config import LoRAConfig
-from .dropout import SEED_BOUND, DropoutStream
-from .dtypes import cast_to, compute_dtype
-from .functional import LoRAFunction, Plan, Plans, call_key, make_plan
-from .layers import LoRALinear
-from .layouts import LAYOUTS
+from ._layouts import LAYOUTS
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio increment: TP groups' seed offsets lie far apart
 
@@ -87,7 +87,7 @@ def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> 
     return device
 
 
-class _ParallelLoRALinear(nn.Module):
+class _ParallelLoRALinear(LoRALayer):
     kind: str = ""
 
     def __init__(
@@ -155,14 +155,12 @@ class _ParallelLoRALinear(nn.Module):
         lora_A, lora_B = src.lora_A.weight.detach(), src.lora_B.weight.detach()
         self.in_features, self.out_features, self.config = src.in_features, src.out_features, src.config
         self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
-        self.merged, self.adapter_enabled = False, True
         self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
         self._deferred_grad = DeferredGradReduction()
         # Different TP groups (data-parallel replicas) see different rows: each draws its seeds at its own offset,
         # keyed by the global rank of the group's first member.
         group_id = int(mesh.mesh.flatten()[0].item())
-        self._dropout_stream = DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND)
-        self._plans = Plans()
+        self._init_state(DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND))
 
         def param(t: torch.Tensor, placement, requires_grad: bool) -> nn.Parameter:
             return nn.Parameter(distribute_tensor(t, mesh, [placement], src_data_rank=0), requires_grad=requires_grad)
@@ -173,33 +171,13 @@ class _ParallelLoRALinear(nn.Module):
         self.lora_A.weight = param(lora_A, layout.lora_A, True)
         self.lora_B.weight = param(lora_B, layout.lora_B, True)
 
-    # Initialisation after building on the meta device and ``to_empty()``: LoRALinear's, through
-    # ``fill_global_``, which draws each DTensor's global tensor and keeps rank 0's values.
-    reset_parameters = LoRALinear.reset_parameters
-    reset_lora_parameters = LoRALinear.reset_lora_parameters
-    _check_unmerged = LoRALinear._check_unmerged
-
     # -- helpers -------------------------------------------------------------------------------------------
     @property
     def tp_size(self) -> int:
         return self.mesh.size()
 
-    @property
-    def scale(self) -> float:
-        return self.config.scale
-
     def _group(self):
         return self.mesh.get_group()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:  # fmt: skip
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        # Older state dicts hold a dropout stream [seed, step] here; the masks now follow the RNG state: ignore it.
-        key = prefix + "_extra_state"
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
 
     def _check_input(self, x: torch.Tensor, width: int) -> None:
         if self.weight.is_meta:

@@ -175,7 +175,7 @@ def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"LoRA dropout: a host-side seed ({seed}) cannot be captured in a CUDA graph: every replay would reuse "
-            "its mask. Let the layer draw its seeds (parallel_lora.dropout.DropoutStream, or dropout_seed=None in "
+            "its mask. Let the layer draw its seeds (parallel_lora._dropout.DropoutStream, or dropout_seed=None in "
             "lora_linear), or capture with dropout=0.0."
         )
     seed = int(seed) % 2**64
@@ -243,7 +243,7 @@ class CallSeeds:
                 "would be computed under another mask). Either the checkpoint did not restore the CPU generator "
                 "(use preserve_rng_state=True, the default of torch.utils.checkpoint; torchtitan's "
                 "activation_checkpoint.preserve_rng_state defaults to False), or more calls of this "
-                "layer ran between a forward and its rerun (raise parallel_lora.dropout.CallSeeds.KEPT)."
+                "layer ran between a forward and its rerun (raise parallel_lora._dropout.CallSeeds.KEPT)."
             )
         return seed
 

@@ -6,7 +6,7 @@ Adapter files (``save_adapter`` / ``load_adapter``): a directory with
   ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``;
 - ``adapter_config.json``: PEFT's ``LoraConfig`` fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
 
-The directory changes as a whole (``parallel_lora.files.replace_directory``): both files are written into a
+The directory changes as a whole (``parallel_lora._files.replace_directory``): both files are written into a
 fresh sibling directory, synced, and swapped into place, so a reader or a crash sees the previous pair or the new
 one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data,
 the config fields that set the adapters' scale and a fingerprint of the base; ``load_adapter`` checks them (a file
@@ -39,11 +39,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .files import is_stale, replace_directory, writer_tag
-from .fingerprint import base_fingerprint, describe
-from .layers import lora_modules
-from .log import logger
-from .peft_format import (
+from ._files import is_stale, replace_directory, writer_tag
+from ._fingerprint import base_fingerprint, describe
+from ._log import logger
+from ._peft_format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_files,
@@ -55,6 +54,7 @@ from .peft_format import (
     read_record,
     serialize,
 )
+from .layers import lora_modules
 
 _FACTORS = ("lora_A", "lora_B")
 
