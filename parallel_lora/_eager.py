@@ -8,9 +8,8 @@ Per call, on 2-D views (``M`` rows):
               dA = G^T drop_pre(x)                                                  [r, K]
               dB = dy^T S                                                           [N, r]
 
-``x``, ``W``, ``b`` are in the compute dtype; the LoRA branch runs in the adapter dtype (``A.dtype``), so
-fp32 master adapters over a bf16 base do their rank-r math in fp32, and only the ``[M, N]`` addend and the
-``[M, K]`` input-gradient term are cast back. Saved between passes: ``x`` and ``S``.
+Every operand is in the compute dtype (the caller casts, as for the kernels), so this is the fused path's reference
+up to rounding order. Saved between passes: ``x`` and ``S``.
 """
 
 from __future__ import annotations

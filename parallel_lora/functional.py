@@ -5,7 +5,7 @@
 A ``Plan`` holds what a signature decides (checks passed, backend, compute dtype, dropout, collectives, the
 kernels' launch sites); ``LoRAFunction`` casts to the compute dtype inside itself and hands each gradient back in
 its input's dtype. Saved for backward: ``x`` (compute dtype), the operands and ``S = s * drop(x) A^T`` ``[M, r]``.
-Why it is shaped so: docs/architecture.md, "The call path and its host cost".
+Why it is shaped so: docs/design.md, "The call path and its host cost".
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ class Plan:
         self.grad_dtype = grad_dtype  # the kernels write dA and dB in the adapters' dtype
         self.p, self.position, self.k_offset = p, position, k_offset
         self._mask_offset = k_offset if position == "pre" else 0  # only the "pre" mask is offset
-        self.cast_adapters = backend == "triton"  # one operand dtype per kernel; eager keeps the adapters' own
         self.input_comm, self.output_comm = input_comm, output_comm
         self.fwd_entry = None  # the kernels' forward sites, settled at the first fused call
         self.bwd_entries: dict = {}  # (dy layout, wanted grads) -> the kernels' backward sites
@@ -181,8 +180,7 @@ class LoRAFunction(torch.autograd.Function):
         dtype = plan.dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        if plan.cast_adapters:
-            lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
+        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)  # both backends: one operand dtype
         # Tensor parallel: ``input_comm`` gathers x under SP (once for base and LoRA); ``output_comm`` reduces the
         # partial outputs, base and LoRA together. Under SP only the local shard of x is saved (W is frozen).
         x_full = x if plan.input_comm is None else plan.input_comm.gather(x)

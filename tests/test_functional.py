@@ -4,7 +4,7 @@ Reference: ``tests/_reference.lora_reference``, the fp64 dense ``y = x W^T + b +
 the same tensors the op receives, each rounded to the dtype of the defined compute (``x``/``W``/``b`` to the
 compute dtype, i.e. bf16 for an autocast-promoted fp32 ``x``; adapters at their own precision), with its
 fp64 autograd gradients; tolerances from ``tests/_reference.TOLERANCES`` (keyed on the compute dtype).
-The dtype rule under test is docs/design.md section 2 / ``docs/dtype_policy.md``.
+The dtype rule under test is docs/design.md section 2.
 
 Both backends run everywhere: "torch" (eager) and "triton" (the Triton CPU interpreter when there is no
 GPU; ``conftest`` sets ``TRITON_INTERPRET=1``). Interpreter sizes are kept small (M, K, N <= 48).
@@ -154,6 +154,25 @@ def test_fused_kernel_sees_one_operand_dtype(case, backend, monkeypatch):
         assert dtypes == {case.compute}, f"{phase} received {dtypes}, expected only {case.compute}"
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_eager_backend_sees_one_operand_dtype(case, monkeypatch):
+    """(b), torch backend: the oracle computes in the kernels' operand dtypes, so it is their reference up to the
+    order of rounding."""
+    seen: dict[str, set[torch.dtype]] = {}
+    for phase in ("forward", "backward"):
+        real = getattr(eager, phase)
+
+        def spy(*args, _real=real, _phase=phase, **kw):
+            seen.setdefault(_phase, set()).update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(eager, phase, spy)
+    inp = make_inputs(case)
+    _, y = run_op(case, inp, "torch")
+    y.backward(torch.randn_like(y))
+    assert seen == {"forward": {case.compute}, "backward": {case.compute}}, seen
+
+
 def test_fused_kernels_write_fp32_adapter_grads_in_fp32(monkeypatch):
     """fp32 master adapters over a bf16 base: the kernels read bf16 operands and store dA, dB from their fp32
     accumulators in fp32 (no bf16 rounding, no cast node)."""
@@ -171,8 +190,9 @@ def test_fused_kernels_write_fp32_adapter_grads_in_fp32(monkeypatch):
     assert_all_close((y, dx, dA, dB), ref, TOLERANCES[BF16])
 
 
-def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):
-    """(b), torch backend: x and W arrive in bf16; the x saved for backward is bf16, not the fp32 input."""
+def test_autocast_promoted_input_and_fp32_adapters_reach_eager_backend_as_bf16(monkeypatch):
+    """(b), torch backend: x, W and the adapters arrive in bf16; the x saved for backward is bf16, not the fp32
+    input."""
     case = Case(BF16, F32, F32, True)
     received = {}
 
@@ -184,8 +204,7 @@ def test_autocast_promoted_input_reaches_eager_backend_as_bf16(monkeypatch):
     monkeypatch.setattr(eager, "forward", spy)
     inp = make_inputs(case)
     _, y, saved = op_saved(case, inp, "torch")
-    # The eager path runs the rank-r math in the adapter dtype by design; x and W are the compute dtype.
-    assert received == {"x": BF16, "weight": BF16, "lora_A": F32}
+    assert received == {"x": BF16, "weight": BF16, "lora_A": BF16}
     saved_x = [t for t in saved if tuple(t.shape) == (M, K)]
     assert [t.dtype for t in saved_x] == [BF16]
     assert y.dtype == BF16
