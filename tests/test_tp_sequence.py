@@ -49,8 +49,11 @@ def _sp_column_saves_local_shard(dtype: torch.dtype) -> None:
     col = ColumnParallelLoRALinear(K, H, tp_config(), mesh, sequence_parallel=True, dtype=dtype)
     x_local = torch.randn(BATCH, SEQ // tp, K, requires_grad=True)  # fp32 x: the saved copy is the cast one
     got, saved = _saved_bytes(col, x_local)
-    # x's local shard in the compute dtype + S = s * x A^T [M, r] (M = all BATCH * SEQ tokens, adapter dtype).
-    want = x_local.numel() * dtype.itemsize + BATCH * SEQ * R * F32.itemsize
+    # x's local shard + S = s * x A^T [M, r] (M = all BATCH * SEQ tokens), in the compute dtype, and the adapters'
+    # compute-dtype copies where they are stored in another dtype (parameter-sized, not activations).
+    A, B = col.lora_A.weight.to_local(), col.lora_B.weight.to_local()
+    casts = (A.numel() + B.numel()) * dtype.itemsize if A.dtype != dtype else 0
+    want = x_local.numel() * dtype.itemsize + BATCH * SEQ * R * dtype.itemsize + casts
     assert got == want, f"saved {got} bytes, expected {want} (local x shard + [M, r]); saved: {saved}"
     # The check can fail: a layer that keeps the gathered x saves tp times the shard.
     full = ColumnParallelLoRALinear(K, H, tp_config(), mesh, sequence_parallel=False, dtype=dtype)
