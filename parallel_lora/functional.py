@@ -18,22 +18,10 @@ import torch.nn.functional as F
 from . import _eager as eager
 from ._dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
 from ._dtypes import autocast_off, cast_to, compute_dtype
-from .kernels.host import interpreting
-from .kernels.ops import fused_backward, fused_forward
+from .kernels.host import interpreting, keep_at_most
+from .kernels.ops import compiled_backward, compiled_forward, dispatch_module
 
 BACKENDS = ("auto", "triton", "torch")
-
-_kernels = None  # parallel_lora.kernels (and Triton), imported at the first fused plan
-
-
-def _dispatch():
-    global _kernels
-    if _kernels is None:
-        from .kernels import dispatch
-
-        _kernels = dispatch
-    return _kernels
-
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` -> ``"triton"`` on CUDA (when Triton imports), ``"torch"`` otherwise; checks the others."""
@@ -66,13 +54,11 @@ class Plan:
         self.backend, self.dtype, self.scale = backend, dtype, scale
         self.grad_dtype = grad_dtype  # the kernels write dA and dB in the adapters' dtype
         self.p, self.position, self.k_offset = p, position, k_offset
+        self.mode = position if p > 0.0 else None  # the active mask's position, as the kernels take it
         self._mask_offset = k_offset if position == "pre" else 0  # only the "pre" mask is offset
         self.input_comm, self.output_comm = input_comm, output_comm
         self.fwd_entry = None  # the kernels' forward sites, settled at the first fused call
         self.bwd_entries: dict = {}  # (dy layout, wanted grads) -> the kernels' backward sites
-
-    def _mode(self) -> str | None:
-        return self.position if self.p > 0.0 else None
 
     def _dropout(self, seed: torch.Tensor | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
@@ -82,8 +68,8 @@ class Plan:
         if self.backend != "triton":
             return eager.forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
         if torch.compiler.is_compiling():
-            return fused_forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
-        kernels, entry, mode = _dispatch(), self.fwd_entry, self._mode()
+            return compiled_forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
+        kernels, entry, mode = dispatch_module(), self.fwd_entry, self.mode
         if entry is None:
             entry = kernels.forward_entry(x, weight, bias, lora_A, lora_B, mode)
         out = kernels.run_forward(entry, x, weight, bias, lora_A, lora_B, self.scale, self.p, seed, mode,
@@ -96,9 +82,9 @@ class Plan:
         if self.backend != "triton":
             return eager.backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
         if torch.compiler.is_compiling():
-            return fused_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs,
-                                  self.grad_dtype)  # fmt: skip
-        kernels, mode = _dispatch(), self._mode()
+            return compiled_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs,
+                                     self.grad_dtype)  # fmt: skip
+        kernels, mode = dispatch_module(), self.mode
         key = (dy.stride(), dy.data_ptr() & 15, needs)
         entry = self.bwd_entries.get(key)
         if entry is None:
@@ -116,10 +102,7 @@ class Plans(dict):
     KEPT = 64
 
     def keep(self, key: tuple, plan: Plan) -> Plan:
-        if len(self) >= self.KEPT:
-            del self[next(iter(self))]
-        self[key] = plan
-        return plan
+        return keep_at_most(self, key, plan, self.KEPT)
 
     def __deepcopy__(self, memo) -> Plans:
         return Plans()
@@ -145,21 +128,23 @@ def make_plan(
     lora_B: torch.Tensor,
     scale: float,
     backend: str,
-    p: float,
+    dropout_p: float,
+    training: bool,
     position: str = "pre",
     k_offset: int = 0,
     input_comm=None,
     output_comm=None,
 ) -> Plan:
-    """Check one call's operands (local shards) and settle its plan; ``p`` is the active dropout probability."""
+    """Check one call's operands (local shards) and settle its plan; dropout is active only when ``training``."""
     check_inputs(x, weight, bias, lora_A, lora_B, scale)
-    if not valid_p(p):
-        raise ValueError(f"dropout_p must be in {P_RANGE}, got {p}")
+    if not valid_p(dropout_p):
+        raise ValueError(f"dropout_p must be in {P_RANGE}, got {dropout_p}")
     if position not in ("pre", "post"):
         raise ValueError(f"dropout_position must be 'pre' or 'post', got {position!r}")
     backend = resolve_backend(backend, x.device)
     grad_dtype = lora_A.dtype if lora_A.dtype == lora_B.dtype else None
-    return Plan(backend, compute_dtype(x, weight), float(scale), float(p), position, k_offset, input_comm, output_comm,
+    p = float(dropout_p) if training else 0.0
+    return Plan(backend, compute_dtype(x, weight), float(scale), p, position, k_offset, input_comm, output_comm,
                 grad_dtype)  # fmt: skip
 
 
@@ -293,12 +278,9 @@ def lora_linear(
     Returns:
         ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
     """
-    if not valid_p(dropout_p):
-        raise ValueError(f"dropout_p must be in {P_RANGE}, got {dropout_p}")
-    p = float(dropout_p) if training else 0.0
-    plan = make_plan(x, weight, bias, lora_A, lora_B, scale, backend, p, dropout_position)
+    plan = make_plan(x, weight, bias, lora_A, lora_B, scale, backend, dropout_p, training, dropout_position)
     seed = None
-    if p > 0.0:
+    if plan.p > 0.0:
         if dropout_seed is None:
             seed = draw_seed(x)
         elif isinstance(dropout_seed, torch.Tensor):

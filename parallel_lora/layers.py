@@ -108,6 +108,20 @@ class LoRALayer(nn.Module):
         with torch.no_grad():
             local_tensor(self.lora_B.weight).zero_()
 
+    def _call_plan(self, x: torch.Tensor, key_tensors: tuple, build: Callable[[], Plan]) -> Plan:
+        """The plan of ``x``'s call signature (``call_key`` of ``x`` and ``key_tensors``: W, bias, A, B as stored),
+        built by ``build()`` at its first call; built afresh while compiling or for an input it refuses."""
+        if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta:
+            return build()
+        key = call_key(x, *key_tensors, self.training, id(self.config))
+        return self._plans.get(key) or self._plans.keep(key, build())
+
+    def _make_plan(self, x, weight, bias, lora_A, lora_B, k_offset: int = 0, comms: tuple = (None, None)) -> Plan:
+        """``make_plan`` under this layer's config and mode, on the tensors the op will see."""
+        c = self.config
+        return make_plan(x, weight, bias, lora_A, lora_B, c.scale, c.backend, c.dropout, self.training,
+                         c.dropout_position, k_offset, *comms)  # fmt: skip
+
     def _check_unmerged(self, what: str) -> None:
         if self.merged:
             raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
@@ -167,18 +181,9 @@ class LoRALinear(LoRALayer):
         if self.merged or not self.adapter_enabled:
             return linear(x, weight, bias)
         A, B = self.lora_A.weight, self.lora_B.weight
-        if torch.compiler.is_compiling():
-            plan = self._plan(x, weight, bias, A, B)
-        else:
-            key = call_key(x, weight, bias, A, B, self.training, id(self.config))
-            plan = self._plans.get(key) or self._plans.keep(key, self._plan(x, weight, bias, A, B))
+        plan = self._call_plan(x, (weight, bias, A, B), lambda: self._make_plan(x, weight, bias, A, B))
         seed = self._dropout_stream.next_seed(x) if plan.p else None
         return LoRAFunction.apply(x, weight, bias, A, B, plan, seed)
-
-    def _plan(self, x, weight, bias, A, B) -> Plan:
-        c = self.config
-        p = c.dropout if self.training else 0.0
-        return make_plan(x, weight, bias, A, B, c.scale, c.backend, p, c.dropout_position)
 
     def extra_repr(self) -> str:
         c = self.config

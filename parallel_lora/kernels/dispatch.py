@@ -36,7 +36,7 @@ from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
 from .gemm_tma import tma_compatible, tma_operand
-from .host import interpreting, pad_rank
+from .host import interpreting, keep_at_most, pad_rank
 from .launcher import Site
 from .shrink import lora_shrink
 from .shrink_db import lora_shrink_db, takes_db_partials
@@ -239,15 +239,6 @@ def _prologue(
     return drop, drop.position, drop.k_offset if drop.position == "pre" else 0, key
 
 
-def _remember(cache: dict, key: tuple | None, entry: tuple) -> None:
-    """Keep ``entry`` under ``key``, the oldest entry going once ``SITES_KEPT`` are held."""
-    if key is None:
-        return
-    if len(cache) >= SITES_KEPT:
-        del cache[next(iter(cache))]
-    cache[key] = entry
-
-
 def forward_entry(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
     mode: str | None,
@@ -299,8 +290,8 @@ def forward(
         entry = forward_entry(x, weight, bias, lora_A, lora_B, mode)
     p = 0.0 if drop is None else float(drop.p)
     out = run_forward(entry, x, weight, bias, lora_A, lora_B, float(scale), p, _seed(dropout, x), mode, k_offset)
-    if fresh:  # stored once filled: another thread never reads a half-bound site
-        _remember(_FORWARD_SITES, key, entry)
+    if fresh and key is not None:  # stored once filled: another thread never reads a half-bound site
+        keep_at_most(_FORWARD_SITES, key, entry, SITES_KEPT)
     return out
 
 
@@ -384,6 +375,6 @@ def backward(
         entry = backward_entry(*operands, mode, *needs)
     p = 0.0 if drop is None else float(drop.p)
     grads = run_backward(entry, *operands, float(scale), p, _seed(dropout, dy), mode, k_offset, *needs, grad_dtype)
-    if fresh:
-        _remember(_BACKWARD_SITES, key, entry)
+    if fresh and key is not None:
+        keep_at_most(_BACKWARD_SITES, key, entry, SITES_KEPT)
     return grads

@@ -22,6 +22,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def keep_at_most(cache: dict, key: object, value: object, limit: int) -> object:
+    """``cache[key] = value``, its oldest entries going while it holds more than ``limit``; returns ``value``."""
+    cache[key] = value
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
+    return value
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, int(n) - 1).bit_length()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 
-from .host import interpreting
+from .host import interpreting, keep_at_most
 from .spec import KernelSpec
 from .tuning import launch_tuned
 from .workspace import with_descriptor_scratch
@@ -147,7 +147,4 @@ def bind(
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = compiled[g]
     bound = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
-    if len(_BOUND) >= BOUND_KEPT:  # the oldest goes: a Site keeps its own Bound
-        del _BOUND[next(iter(_BOUND))]
-    _BOUND[key] = bound
-    return bound
+    return keep_at_most(_BOUND, key, bound, BOUND_KEPT)  # an evicted Bound lives on in the Sites that hold it

@@ -7,8 +7,8 @@ Inductor schedules the op as one opaque call. The op's arguments are plain tenso
 active mask). Their real implementations launch the kernels exactly as an eager call does (each layout's tuned
 configs, its bound kernels), so there is one launch path, compiled or not.
 
-``fused_forward`` / ``fused_backward`` are what the autograd Function calls: the registered ops while compiling, the
-dispatcher directly otherwise (a custom op's dispatch costs host time the eager path does not spend).
+``compiled_forward`` / ``compiled_backward`` are what the autograd Function calls while compiling; eager calls go to
+``dispatch`` directly (a custom op's dispatch costs host time the eager path does not spend).
 
     lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
     lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
@@ -26,7 +26,8 @@ from .._dropout import Dropout, seed_tensor
 _KERNELS: list = []  # the dispatch module, imported (with Triton) at the first fused call
 
 
-def _kernels():
+def dispatch_module():
+    """``parallel_lora.kernels.dispatch``, imported (with Triton) at the first call."""
     if not _KERNELS:
         from . import dispatch
 
@@ -59,7 +60,7 @@ def lora_forward(
     k_offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
-    return _kernels().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
+    return dispatch_module().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
 
 
 @lora_forward.register_fake
@@ -86,11 +87,11 @@ def lora_backward(
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
-    grads = _kernels().backward(
+    grads = dispatch_module().backward(
         dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
         grad_dtype=grad_dtype,
     )
-    # A custom op returns tensors: a gradient not asked for comes back empty (``fused_backward`` makes it None).
+    # A custom op returns tensors: a gradient not asked for comes back empty (``compiled_backward`` makes it None).
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
@@ -102,7 +103,7 @@ def _(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout_p, dropout_seed, dro
     return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)
 
 
-def fused_forward(
+def compiled_forward(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -111,13 +112,11 @@ def fused_forward(
     scale: float,
     dropout: Dropout | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``parallel_lora.kernels.forward``, through ``parallel_lora::lora_forward`` while compiling."""
-    if torch.compiler.is_compiling():
-        return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout, x.device))
-    return _kernels().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
+    """``dispatch.forward`` as the registered op ``parallel_lora::lora_forward``, for a graph being compiled."""
+    return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout, x.device))
 
 
-def fused_backward(
+def compiled_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -131,12 +130,7 @@ def fused_backward(
     needs_dB: bool = True,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``parallel_lora.kernels.backward``, through ``parallel_lora::lora_backward`` while compiling."""
-    if not torch.compiler.is_compiling():
-        return _kernels().backward(
-            dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA,
-            needs_dB=needs_dB, grad_dtype=grad_dtype,
-        )  # fmt: skip
+    """``dispatch.backward`` as the registered op ``parallel_lora::lora_backward``, for a graph being compiled."""
     grads = torch.ops.parallel_lora.lora_backward(
         dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout, x.device), needs_dx, needs_dA, needs_dB,
         grad_dtype,

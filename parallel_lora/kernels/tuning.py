@@ -30,7 +30,7 @@ import torch
 import triton
 
 from .._log import logger
-from .host import next_pow2
+from .host import keep_at_most, next_pow2
 from .spec import KernelSpec
 
 if TYPE_CHECKING:
@@ -228,9 +228,7 @@ def launch_tuned(
         cfg = _BEST.pop(key, None)  # re-inserted below: the most recently used entry is the last
         if cfg is None:
             cfg = _cached_or_tuned(spec, kernel, grid, args, consts)
-        _BEST[key] = cfg
-        while len(_BEST) > BEST_MAX:
-            del _BEST[next(iter(_BEST))]
+        keep_at_most(_BEST, key, cfg, BEST_MAX)
         compiled = kernel[grid](*args, **consts, **cfg.all_kwargs())
     return compiled, cfg
 

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._dropout import SEED_BOUND, DropoutStream
 from .._dtypes import cast_to, compute_dtype
 from ..config import LoRAConfig
-from ..functional import LoRAFunction, Plan, call_key, make_plan
+from ..functional import LoRAFunction, Plan
 from ..layers import LoRALayer, LoRALinear
 from ._comm import (
     DeferredGradReduction,
@@ -221,11 +221,8 @@ class _ParallelLoRALinear(LoRALayer):
     def _lora(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The LoRA op on this rank's shards under the plan of ``x``'s signature (built and checked once)."""
         w_local, A, B = _local(self.weight), self.lora_A.weight, self.lora_B.weight
-        if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta:
-            plan = self._plan(x, w_local, bias)  # a DTensor or meta x is refused there
-        else:
-            key = call_key(x, w_local, bias, A._local_tensor, B._local_tensor, self.training, id(self.config))
-            plan = self._plans.get(key) or self._plans.keep(key, self._plan(x, w_local, bias))
+        key_tensors = (w_local, bias, A._local_tensor, B._local_tensor)
+        plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias))
         group = self._group()
         replicated = LAYOUTS[self.kind].replicated_factor
         # The replicated factor's gradient is all-reduced (in its own dtype) once per optimizer step.
@@ -236,12 +233,8 @@ class _ParallelLoRALinear(LoRALayer):
 
     def _plan(self, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None) -> Plan:
         self._check_call(x)
-        c, group = self.config, self._group()
         a_local, b_local = self.lora_A.weight._local_tensor, self.lora_B.weight._local_tensor
-        p = c.dropout if self.training else 0.0
-        comms = self._comms(x, group)
-        return make_plan(x, w_local, bias, a_local, b_local, c.scale, c.backend, p, c.dropout_position,
-                         self._k_offset(), *comms)  # fmt: skip
+        return self._make_plan(x, w_local, bias, a_local, b_local, self._k_offset(), self._comms(x, self._group()))
 
     def extra_repr(self) -> str:
         c = self.config
@@ -277,7 +270,7 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else _local(self.bias)
-        if not (self.merged or not self.adapter_enabled):
+        if self.adapter_enabled and not self.merged:
             return self._lora(x, bias)
         self._check_call(x)
         w_local = _local(self.weight)
@@ -318,7 +311,7 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
         return self.mesh.get_local_rank() * (self.in_features // self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.merged or not self.adapter_enabled):
+        if self.adapter_enabled and not self.merged:
             y = self._lora(x, None)
         else:
             self._check_call(x)
