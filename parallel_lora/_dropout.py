@@ -35,21 +35,18 @@ Word = torch.Tensor | int  # uint32 values: an int64 tensor of them, or a Python
 
 @dataclass(frozen=True)
 class Dropout:
-    """Dropout on the LoRA branch of one call.
-
-    ``position="pre"`` drops elements of ``x [M, K]`` before ``A``; ``"post"`` drops elements of
-    ``x A^T [M, r]`` before ``B``. ``k_offset`` is the global index of this shard's first input column
-    (row-parallel layers shard ``K``); it only matters for ``"pre"``. ``seed`` keys the counter-based mask hash
-    ``hash_uniform``: element ``(m, k)`` is kept iff ``hash_uniform(seed, m, k) >= p``. It is a 1-element int64
-    tensor on the operands' device (``DropoutStream``, ``draw_seed``, ``seed_tensor``), which the kernels read
-    from device memory; a Python int (taken mod 2**64) is a host-side seed, turned into such a tensor where the
-    kernels need one (``seed_tensor``), which a CUDA graph would replay unchanged.
-    """
+    """Dropout on the LoRA branch of one call: ``"pre"`` drops ``x [M, K]`` before ``A``, ``"post"`` drops
+    ``x A^T [M, r]``; ``k_offset`` is a row-parallel shard's first global input column; ``seed`` is ``[1]`` int64 on
+    the operands' device (``seed_tensor`` makes one from an int)."""
 
     p: float
-    seed: torch.Tensor | int
+    seed: torch.Tensor
     position: str = "pre"
     k_offset: int = 0
+
+    def __post_init__(self) -> None:
+        check_dropout(self.p, self.position, self.k_offset, "dropout.p")
+        check_seed(self.seed)
 
     @property
     def keep_scale(self) -> float:
@@ -66,6 +63,29 @@ P_RANGE = "[0, 1 - 2**-16)"
 def valid_p(p: object) -> bool:
     """Whether ``p`` is a usable dropout probability: a real number in ``P_RANGE``."""
     return isinstance(p, numbers.Real) and not isinstance(p, bool) and 0.0 <= p < P_LIMIT
+
+
+POSITIONS = ("pre", "post")
+
+
+def check_dropout(p: float, position: str = "pre", k_offset: int = 0, name: str = "dropout_p") -> None:
+    """Raise ``ValueError`` unless ``p`` is in ``P_RANGE``, ``position`` is "pre" or "post" and ``k_offset >= 0``."""
+    if not valid_p(p):
+        raise ValueError(f"{name} must be in {P_RANGE}, got {p!r}")
+    if position not in POSITIONS:
+        raise ValueError(f"dropout_position must be 'pre' or 'post', got {position!r}")
+    if isinstance(k_offset, bool) or not isinstance(k_offset, int) or k_offset < 0:
+        raise ValueError(f"dropout k_offset must be an int >= 0, got {k_offset!r}")
+
+
+def check_seed(seed: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``seed`` as the kernels read it, ``[1]`` int64 (on ``device`` when given); ``ValueError`` otherwise."""
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
+        got = f"a {seed.dtype} tensor of shape {list(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)
+        raise ValueError(f"a dropout seed must be a 1-element int64 tensor (seed_tensor(int, device)), got {got}")
+    if device is not None and seed.device != device:
+        raise ValueError(f"the dropout seed must be on the operands' device {device}, got {seed.device}")
+    return seed.reshape(1)
 
 
 def _mul32(x: Word, c: int) -> Word:

@@ -27,15 +27,7 @@ def _drop(t: torch.Tensor, dropout: Dropout | None, position: str) -> torch.Tens
     return t * mask.to(t.dtype) * dropout.keep_scale
 
 
-def forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(x, weight, bias, lora_A, lora_B, scale: float, dropout: Dropout | None):
     """``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]`` -> ``(y [M, N] in x.dtype, S [M, r] in A.dtype)``."""
     y = F.linear(x, weight, bias)
     xa = _drop(x.to(lora_A.dtype), dropout, "pre") @ lora_A.t()
@@ -45,19 +37,8 @@ def forward(
     return y, s_lora
 
 
-def backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    s_lora: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-    needs_dx: bool = True,
-    needs_dA: bool = True,
-    needs_dB: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def backward(dy, x, weight, lora_A, lora_B, s_lora, scale: float, dropout: Dropout | None, needs_dx=True,
+             needs_dA=True, needs_dB=True):  # fmt: skip
     """``dy [M, N]`` (compute dtype) -> ``dx [M, K]`` (compute dtype), ``dA [r, K]``, ``dB [N, r]`` (adapter
     dtypes). ``S`` is the tensor ``forward`` returned."""
     dy_lora = dy.to(lora_B.dtype)

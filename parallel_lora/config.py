@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._dropout import P_RANGE, valid_p
+from ._dropout import check_dropout
 from .functional import BACKENDS
 
 INIT_A_CHOICES = ("kaiming", "xavier", "gaussian")
-DROPOUT_POSITIONS = ("pre", "post")
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,10 @@ class LoRAConfig:
             raise ValueError(f"LoRAConfig.r must be an integer >= 1, got {self.r!r}")
         if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
             raise ValueError(f"LoRAConfig.alpha must be a number > 0, got {self.alpha!r}")
-        if not valid_p(self.dropout):
-            raise ValueError(f"LoRAConfig.dropout must be in {P_RANGE}, got {self.dropout!r}")
-        if self.dropout_position not in DROPOUT_POSITIONS:
-            raise ValueError(
-                f"LoRAConfig.dropout_position must be one of {DROPOUT_POSITIONS}, got {self.dropout_position!r}"
-            )
+        try:
+            check_dropout(self.dropout, self.dropout_position, name="dropout")
+        except ValueError as e:
+            raise ValueError(f"LoRAConfig.{e}") from None
         if self.init_A not in INIT_A_CHOICES:
             raise ValueError(f"LoRAConfig.init_A must be one of {INIT_A_CHOICES}, got {self.init_A!r}")
         if self.backend not in BACKENDS:

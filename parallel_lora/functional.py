@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from . import _eager as eager
-from ._dropout import P_RANGE, Dropout, draw_seed, seed_tensor, valid_p
+from ._dropout import Dropout, check_dropout, check_seed, draw_seed, seed_tensor
 from ._dtypes import autocast_off, cast_to, compute_dtype
 from .kernels.host import interpreting, keep_at_most
-from .kernels.ops import compiled_backward, compiled_forward, dispatch_module
+from .kernels.ops import dispatch_module
 
 BACKENDS = ("auto", "triton", "torch")
+
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` -> ``"triton"`` on CUDA (when Triton imports), ``"torch"`` otherwise; checks the others."""
@@ -63,12 +64,15 @@ class Plan:
     def _dropout(self, seed: torch.Tensor | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
 
+    def _op_scalars(self, seed: torch.Tensor | None) -> tuple:
+        return self.scale, self.p, seed, self.position, self.k_offset
+
     def forward(self, x, weight, bias, lora_A, lora_B, seed) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [M, K]`` and the operands in the compute dtype -> ``(y [M, N], S [M, r])``."""
         if self.backend != "triton":
             return eager.forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
         if torch.compiler.is_compiling():
-            return compiled_forward(x, weight, bias, lora_A, lora_B, self.scale, self._dropout(seed))
+            return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, *self._op_scalars(seed))
         kernels, entry, mode = dispatch_module(), self.fwd_entry, self.mode
         if entry is None:
             entry = kernels.forward_entry(x, weight, bias, lora_A, lora_B, mode)
@@ -82,8 +86,9 @@ class Plan:
         if self.backend != "triton":
             return eager.backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
         if torch.compiler.is_compiling():
-            return compiled_backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs,
-                                     self.grad_dtype)  # fmt: skip
+            op = torch.ops.parallel_lora.lora_backward
+            grads = op(dy, x, weight, lora_A, lora_B, s_lora, *self._op_scalars(seed), *needs, self.grad_dtype)
+            return tuple(g if needed else None for g, needed in zip(grads, needs, strict=True))
         kernels, mode = dispatch_module(), self.mode
         key = (dy.stride(), dy.data_ptr() & 15, needs)
         entry = self.bwd_entries.get(key)
@@ -120,27 +125,11 @@ def call_key(x, weight, bias, lora_A, lora_B, *more) -> tuple:
             None if bias is None else bias.data_ptr(), *more)  # fmt: skip
 
 
-def make_plan(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    backend: str,
-    dropout_p: float,
-    training: bool,
-    position: str = "pre",
-    k_offset: int = 0,
-    input_comm=None,
-    output_comm=None,
-) -> Plan:
+def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropout_p: float, training: bool,
+              position: str = "pre", k_offset: int = 0, input_comm=None, output_comm=None) -> Plan:  # fmt: skip
     """Check one call's operands (local shards) and settle its plan; dropout is active only when ``training``."""
     check_inputs(x, weight, bias, lora_A, lora_B, scale)
-    if not valid_p(dropout_p):
-        raise ValueError(f"dropout_p must be in {P_RANGE}, got {dropout_p}")
-    if position not in ("pre", "post"):
-        raise ValueError(f"dropout_position must be 'pre' or 'post', got {position!r}")
+    check_dropout(dropout_p, position, k_offset)
     backend = resolve_backend(backend, x.device)
     grad_dtype = lora_A.dtype if lora_A.dtype == lora_B.dtype else None
     p = float(dropout_p) if training else 0.0
@@ -205,15 +194,8 @@ class LoRAFunction(torch.autograd.Function):
                 cast_to(dB, b_dtype), None, None)  # fmt: skip
 
 
-def check_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the expected shapes and dtypes."""
+def check_inputs(x, weight, bias, lora_A, lora_B, scale: float) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the expected shapes and dtypes of one call's operands."""
     for name, t in (("x", x), ("weight", weight), ("lora_A", lora_A), ("lora_B", lora_B), ("bias", bias)):
         if t is not None and not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
@@ -236,15 +218,6 @@ def check_inputs(
         raise ValueError(f"x, weight, bias, lora_A and lora_B must be on one device, got {sorted(map(str, devices))}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-
-
-def _check_seed(seed: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != device:
-        raise ValueError(
-            f"dropout_seed must be a 1-element int64 tensor on x's device ({device}), got a {seed.dtype} tensor of "
-            f"shape {tuple(seed.shape)} on {seed.device}"
-        )
-    return seed.reshape(1)
 
 
 def lora_linear(
@@ -284,7 +257,7 @@ def lora_linear(
         if dropout_seed is None:
             seed = draw_seed(x)
         elif isinstance(dropout_seed, torch.Tensor):
-            seed = _check_seed(dropout_seed, x.device)
+            seed = check_seed(dropout_seed, x.device)
         else:
             seed = seed_tensor(dropout_seed, x.device)
     return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)

@@ -57,10 +57,10 @@ SCALE = 2.0  # alpha / r != 1, so a missing or doubled scale is visible
 DROPOUTS = {
     "none": None,
     # k_offset != 0: a row-parallel shard whose first input column is global column 5.
-    "pre": Dropout(p=0.3, seed=123_456_789_012, position="pre", k_offset=5),
+    "pre": Dropout(p=0.3, seed=seed_tensor(123_456_789_012, DEVICE), position="pre", k_offset=5),
     # An even offset: each pair of columns is one hash word (an odd one is compiled apart, drop_tile's ODD).
-    "pre_even": Dropout(p=0.3, seed=2**50 + 1, position="pre", k_offset=96),
-    "post": Dropout(p=0.25, seed=77, position="post"),
+    "pre_even": Dropout(p=0.3, seed=seed_tensor(2**50 + 1, DEVICE), position="pre", k_offset=96),
+    "post": Dropout(p=0.25, seed=seed_tensor(77, DEVICE), position="post"),
 }
 
 # Every kernel spec's name (``KernelSpec.name``): what the op's launches can be.

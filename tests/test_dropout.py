@@ -52,7 +52,7 @@ def _py_hash(seed: int, m: int, k: int) -> int:
 
 
 def _mask(seed: int, p: float, rows: int = ROWS, cols: int = COLS) -> torch.Tensor:
-    return keep_mask(Dropout(p=p, seed=seed), rows, cols, "cpu")
+    return keep_mask(Dropout(p=p, seed=seed_tensor(seed, "cpu")), rows, cols, "cpu")
 
 
 def _assert_rate(observed: float, expected: float, n: int, what: str, sigmas: float = 5.0) -> None:
@@ -95,11 +95,11 @@ def test_uniform_is_its_columns_half_of_the_pairs_word_and_indices_wrap_mod_2_32
 
 
 def test_keep_mask_shards_are_slices_and_post_ignores_k_offset():
-    full = keep_mask(Dropout(0.3, 8, "pre"), 40, 96, "cpu")
-    assert torch.equal(keep_mask(Dropout(0.3, 8, "pre", k_offset=48), 40, 48, "cpu"), full[:, 48:])
-    post = keep_mask(Dropout(0.3, 8, "post"), 40, 16, "cpu")
-    assert torch.equal(keep_mask(Dropout(0.3, 8, "post", k_offset=48), 40, 16, "cpu"), post)
-    assert keep_mask(Dropout(0.3, 8), 0, 5, "cpu").shape == (0, 5)
+    full = keep_mask(Dropout(0.3, seed_tensor(8, "cpu"), "pre"), 40, 96, "cpu")
+    assert torch.equal(keep_mask(Dropout(0.3, seed_tensor(8, "cpu"), "pre", k_offset=48), 40, 48, "cpu"), full[:, 48:])
+    post = keep_mask(Dropout(0.3, seed_tensor(8, "cpu"), "post"), 40, 16, "cpu")
+    assert torch.equal(keep_mask(Dropout(0.3, seed_tensor(8, "cpu"), "post", k_offset=48), 40, 16, "cpu"), post)
+    assert keep_mask(Dropout(0.3, seed_tensor(8, "cpu")), 0, 5, "cpu").shape == (0, 5)
 
 
 # ------------------------------------------------------------------------------------------- statistics
@@ -235,7 +235,7 @@ def test_a_tensor_seed_keys_the_mask_of_its_int(traced, monkeypatch):
         assert all(isinstance(key, torch.Tensor) == traced for key in keys)
         assert [int(key) for key in keys] == list(hash_keys(seed))
         assert torch.equal(hash_uniform(t, m, k), hash_uniform(seed, m, k))
-        assert torch.equal(keep_mask(Dropout(0.3, t), 40, 48, "cpu"), keep_mask(Dropout(0.3, seed), 40, 48, "cpu"))
+        assert torch.equal(keep_mask(Dropout(0.3, t), 40, 48, "cpu"), _mask(seed, 0.3, 40, 48))
 
 
 def test_the_stream_draws_a_fresh_seed_per_call_that_the_generator_replays():
@@ -289,3 +289,20 @@ def test_a_stream_with_an_offset_draws_its_seed_in_one_op():
         DropoutStream(offset=2**61).next_seed(x)
     device_ops = [op for op in rec.ops if op != "_local_scalar_dense.default"]  # the CPU tag's read, no launch
     assert len(device_ops) == 1 and device_ops[0].startswith("randint"), rec.ops
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"p": 1.0}, "dropout.p must be in"),
+        ({"p": 1 - 2**-16}, r"1 - 2\*\*-16\)"),  # its 16-bit keep threshold would not fit the mask's uniforms
+        ({"position": "mid"}, "dropout_position must be 'pre' or 'post'"),
+        ({"k_offset": -1}, "k_offset must be an int >= 0"),
+        ({"seed": 3}, "a dropout seed must be a 1-element int64 tensor"),
+        ({"seed": torch.tensor([1, 2])}, "1-element int64"),
+        ({"seed": torch.tensor([1.0])}, "1-element int64"),
+    ],
+)
+def test_dropout_refuses_what_the_kernels_cannot_take(change, message):
+    with pytest.raises(ValueError, match=message):
+        Dropout(**{"p": 0.1, "seed": seed_tensor(1, "cpu"), **change})

@@ -70,7 +70,7 @@ def test_dropout_with_zero_base_is_the_dropped_lora_branch(backend, position):
     _, y = run_op(FP32, inp, backend, **kwargs)
     x, a, b = (t.detach().double() for t in (inp.x_leaf, inp.lora_A, inp.lora_B))
     cols = K if position == "pre" else R
-    keep = keep_mask(Dropout(p, seed, position), M, cols, x.device).double() / (1 - p)
+    keep = keep_mask(Dropout(p, seed_tensor(seed, x.device), position), M, cols, x.device).double() / (1 - p)
     if position == "pre":
         manual = SCALE * ((x * keep) @ a.t()) @ b.t()
     else:
@@ -83,16 +83,16 @@ def test_dropout_with_zero_base_is_the_dropped_lora_branch(backend, position):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_and_backward_use_the_same_mask(backend, position):
     inp = make_inputs(FP32)
-    drop = Dropout(p=0.25, seed=2**40 + 17, position=position)  # a seed above 2**32 exercises both key words
-    x, y = run_op(FP32, inp, backend, dropout_p=drop.p, training=True, dropout_position=position,
-                  dropout_seed=drop.seed)  # fmt: skip
+    seed = 2**40 + 17  # above 2**32: exercises both key words
+    x, y = run_op(FP32, inp, backend, dropout_p=0.25, training=True, dropout_position=position, dropout_seed=seed)
+    drop = Dropout(p=0.25, seed=seed_tensor(seed, x.device), position=position)
     dy = torch.randn_like(y)
     grads = grads_of(y, x, inp, dy)
     ref = lora_reference(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dy, dropout=drop)
     assert_all_close((y, *grads), ref, F32)
     # Not vacuous: another seed's mask is outside the tolerance.
     other = lora_reference(x, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dy,
-                           dropout=Dropout(drop.p, drop.seed + 1, position))  # fmt: skip
+                           dropout=Dropout(drop.p, seed_tensor(seed + 1, x.device), position))  # fmt: skip
     with pytest.raises(AssertionError):
         assert_close(grads[1], other.dA, F32, "dA with another seed")
 
@@ -103,7 +103,7 @@ def test_triton_drops_the_same_elements_as_torch(position):
     ``s * drop(dy) / (1-p)`` (either position): their zeros are exactly the dropped elements."""
     size, p, seed = 16, 0.5, 99
     case = Case(F32, F32, F32, False)
-    keep = keep_mask(Dropout(p, seed, position), M, size, "cpu")
+    keep = keep_mask(Dropout(p, seed_tensor(seed, "cpu"), position), M, size, "cpu")
     zeros = {}
     for backend, device in (("torch", "cpu"), ("triton", triton_device())):
         with torch.device(device):

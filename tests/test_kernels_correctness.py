@@ -23,7 +23,7 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora._dropout import Dropout
+from parallel_lora._dropout import Dropout, seed_tensor
 from parallel_lora.kernels import workspace
 from parallel_lora.kernels.adapter_grads import split_rows
 
@@ -49,7 +49,8 @@ def test_op_matches_eager(dtype, shape, drop):
 def test_op_rank_256_matches_eager(dtype):
     # r = 256 is the largest rank: four BLOCK_R = 64 chunks in the GEMM, a 256-wide rank tile elsewhere.
     inputs = make_inputs(5, 40, 24, 256, dtype)
-    check_against_eager(*inputs, SCALE, Dropout(p=0.2, seed=2**40 + 3, position="pre", k_offset=7))
+    drop = Dropout(p=0.2, seed=seed_tensor(2**40 + 3, DEVICE), position="pre", k_offset=7)
+    check_against_eager(*inputs, SCALE, drop)
 
 
 def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():
@@ -58,7 +59,7 @@ def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():
     x, weight, b, lora_A, lora_B, dy = make_inputs(130, 40, 40, 8, torch.float32)
     if INTERPRETING:
         assert split_rows(130, 80, x.device)[0] > 1, "the shape no longer exercises the multi-split path"
-    drop = Dropout(p=0.3, seed=9, position="pre", k_offset=3)
+    drop = Dropout(p=0.3, seed=seed_tensor(9, DEVICE), position="pre", k_offset=3)
     check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
     first = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
@@ -75,7 +76,7 @@ def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():
 def test_op_one_adapter_gradient_alone_matches_eager(M, wanted):
     # The fused launch with the other gradient's columns empty (a frozen lora_A or lora_B).
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, 40, 24, 8, torch.float32)
-    drop = Dropout(p=0.3, seed=5, position="pre", k_offset=2)
+    drop = Dropout(p=0.3, seed=seed_tensor(5, DEVICE), position="pre", k_offset=2)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
     outs = kernels.backward(
         dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop, needs_dx=False,
@@ -102,7 +103,7 @@ def test_op_strided_inputs_match_eager(dtype):
     lora_B_nc = lora_B.t().contiguous().t()
     dy_nc = dy.t().contiguous().t()
     assert not any(t.is_contiguous() for t in (x_nc, weight_nc, b_nc, lora_A_nc, lora_B_nc, dy_nc))
-    drop = Dropout(p=0.3, seed=4, position="pre", k_offset=11)
+    drop = Dropout(p=0.3, seed=seed_tensor(4, DEVICE), position="pre", k_offset=11)
     check_against_eager(x_nc, weight_nc, b_nc, lora_A_nc, lora_B_nc, dy_nc, SCALE, drop)
 
 
@@ -138,8 +139,9 @@ def test_op_m_zero_returns_empty_outputs_without_launch(monkeypatch):
 def test_op_check_fails_with_a_wrong_seed():
     # The comparison is not vacuous: the same call with another seed is far outside the tolerance.
     x, weight, b, lora_A, lora_B, dy = make_inputs(32, 48, 16, 8, torch.float32)
-    drop = Dropout(p=0.5, seed=1, position="pre")
-    y, _ = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, Dropout(p=0.5, seed=2, position="pre"))
+    drop = Dropout(p=0.5, seed=seed_tensor(1, DEVICE), position="pre")
+    other = Dropout(p=0.5, seed=seed_tensor(2, DEVICE), position="pre")
+    y, _ = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, other)
     y_ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)[0]
     y_mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)[0]
     assert rel_err(y, y_ref, y_mag) > 100 * TOL[torch.float32]
@@ -163,10 +165,9 @@ def _bad_forward_cases():
         "mixed_dtype": ((x.bfloat16(), w, b, A, B, 1.0, None), "one dtype"),
         "int_dtype": ((x.int(), w.int(), None, A.int(), B.int(), 1.0, None), "float32, float16 or bfloat16"),
         "scale_nan": ((x, w, b, A, B, float("nan"), None), "scale"),
-        "p_one": ((x, w, b, A, B, 1.0, Dropout(p=1.0, seed=0)), "dropout.p"),
-        # Below 1, but its 16-bit keep threshold (2**16) would not fit the mask's uniforms.
-        "p_past_16_bits": ((x, w, b, A, B, 1.0, Dropout(p=1 - 2**-16, seed=0)), r"1 - 2\*\*-16\)"),
-        "position": ((x, w, b, A, B, 1.0, Dropout(p=0.1, seed=0, position="mid")), "dropout.position"),
+        "seed_on_cpu": ((x, w, b, A, B, 1.0, Dropout(0.1, seed_tensor(0, "cpu"))), "device")
+        if DEVICE != "cpu"
+        else ((x, w, b, A, B, 1.0, 0.1), "dropout must be a parallel_lora._dropout.Dropout"),
     }
 
 

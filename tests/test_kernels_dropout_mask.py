@@ -10,7 +10,7 @@ import pytest
 import torch
 from _kernels import DEVICE, dropout_keep_mask, kernel_uniforms
 
-from parallel_lora._dropout import Dropout, hash_uniform, keep_mask
+from parallel_lora._dropout import Dropout, hash_uniform, keep_mask, seed_tensor
 
 SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
 
@@ -31,7 +31,7 @@ def test_dropout_mask_kernel_uniforms_are_bit_exact_with_torch(seed, rows, cols,
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("seed", [3, 2**33 + 5])
 def test_dropout_mask_equals_keep_mask(position, k_offset, p, seed):
-    drop = Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
+    drop = Dropout(p=p, seed=seed_tensor(seed, DEVICE), position=position, k_offset=k_offset)
     mask = dropout_keep_mask(drop, 50, 70, DEVICE)
     assert mask.dtype == torch.bool
     assert torch.equal(mask, keep_mask(drop, 50, 70, DEVICE))
@@ -41,15 +41,16 @@ def test_dropout_mask_equals_keep_mask(position, k_offset, p, seed):
 def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
     # The kernels test an integer threshold on each 16-bit half of the hash, not u >= p: at p equal to a drawn
     # uniform u (a multiple of 2**-16) that element is kept, in either half of its word, and at p half a step
-    # above it (exact in fp32 below 0.5) it is dropped; at the largest p (1 - 2**-16) the shifted threshold must
+    # above it (exact in fp32 below 0.5) it is dropped; at the largest p (just below 1 - 2**-16) the threshold must
     # not overflow (only v = 2**16 - 1 is kept). Odd widths and offsets pair columns across tiles and words.
     u = kernel_uniforms(5, 64, 64, 0, DEVICE)
     low = u[:, 0::2]
     high = u[:, 1::2]
     picks = [*low[low < 0.5][:2].tolist(), *high[high < 0.5][:2].tolist()]
-    for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16, 0.0):
+    for p in (*picks, *(v + 2**-17 for v in picks), 0.1, 2**-16, 1 - 2**-15, 1 - 2**-16 - 2**-24, 0.0):
         for cols, offset in ((64, 0), (37, 5)):
-            mask = dropout_keep_mask(Dropout(p=p, seed=5, position="pre", k_offset=offset), 64, cols, DEVICE)
+            drop = Dropout(p=p, seed=seed_tensor(5, DEVICE), position="pre", k_offset=offset)
+            mask = dropout_keep_mask(drop, 64, cols, DEVICE)
             want = kernel_uniforms(5, 64, cols, offset, DEVICE) >= torch.tensor(p, dtype=torch.float32)
             assert torch.equal(mask, want), (p, offset)
             if p == picks[0]:
@@ -57,13 +58,13 @@ def test_dropout_mask_keeps_exactly_the_uniforms_at_or_above_p():
 
 
 def test_dropout_mask_of_a_shard_is_a_slice_of_the_full_mask():
-    full = dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre"), 20, 96, DEVICE)
-    shard = dropout_keep_mask(Dropout(p=0.3, seed=8, position="pre", k_offset=48), 20, 48, DEVICE)
+    full = dropout_keep_mask(Dropout(p=0.3, seed=seed_tensor(8, DEVICE), position="pre"), 20, 96, DEVICE)
+    shard = dropout_keep_mask(Dropout(p=0.3, seed=seed_tensor(8, DEVICE), position="pre", k_offset=48), 20, 48, DEVICE)
     assert torch.equal(shard, full[:, 48:])
 
 
 def test_dropout_mask_differs_between_seeds():
-    masks = [dropout_keep_mask(Dropout(p=0.5, seed=s), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
+    masks = [dropout_keep_mask(Dropout(p=0.5, seed=seed_tensor(s, DEVICE)), 32, 32, DEVICE) for s in (1, 2, 2**32 + 1)]
     for i in range(len(masks)):
         for j in range(i):
             assert (masks[i] != masks[j]).float().mean() > 0.3

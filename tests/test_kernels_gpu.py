@@ -31,7 +31,7 @@ from _kernels import (
 )
 
 from parallel_lora import kernels
-from parallel_lora._dropout import Dropout, keep_mask
+from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
 from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
 from parallel_lora.kernels.spec import KernelSpec
 
@@ -45,7 +45,8 @@ def test_gpu_bf16_llama_shape_matches_fp64(position, N):
     # dx_grads.ITEM_ROWS chunks (the program target alone would not split them).
     torch.manual_seed(0)
     inputs = make_inputs(8192, 4096, N, 16, torch.bfloat16, device="cuda")
-    drop = None if position is None else Dropout(p=0.1, seed=2**45 + 17, position=position, k_offset=4096)
+    seed = seed_tensor(2**45 + 17, "cuda")
+    drop = None if position is None else Dropout(p=0.1, seed=seed, position=position, k_offset=4096)
     check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
 
 
@@ -67,9 +68,10 @@ def test_gpu_odd_shapes_match_fp64(dtype, shape):
     torch.manual_seed(0)
     inputs = make_inputs(*shape, dtype, device="cuda")
     check_against_eager(
-        *inputs, SCALE, Dropout(p=0.1, seed=5, position="pre", k_offset=3), tol=GPU_TOL[dtype]
+        *inputs, SCALE, Dropout(p=0.1, seed=seed_tensor(5, "cuda"), position="pre", k_offset=3), tol=GPU_TOL[dtype]
     )
-    check_against_eager(*inputs, SCALE, Dropout(p=0.1, seed=5, position="post"), tol=GPU_TOL[dtype])
+    post = Dropout(p=0.1, seed=seed_tensor(5, "cuda"), position="post")
+    check_against_eager(*inputs, SCALE, post, tol=GPU_TOL[dtype])
 
 
 @gpu
@@ -99,7 +101,7 @@ def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypa
 def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     torch.manual_seed(0)
     x, weight, b, lora_A, lora_B, dy = make_inputs(4096, 1024, 2048, 16, torch.bfloat16, device="cuda")
-    drop = Dropout(p=0.1, seed=11, position="pre", k_offset=1024)
+    drop = Dropout(p=0.1, seed=seed_tensor(11, "cuda"), position="pre", k_offset=1024)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
     first = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
     second = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
@@ -203,7 +205,7 @@ def test_gpu_new_token_count_in_a_tuned_bucket_reuses_its_config_without_tuning(
     monkeypatch.setattr(tuning, "tune", spy)
     torch.manual_seed(0)
     K, N, r = 1024, 768, 16
-    drop = Dropout(p=0.1, seed=3, position="pre")
+    drop = Dropout(p=0.1, seed=seed_tensor(3, "cuda"), position="pre")
     check_against_eager(*make_inputs(3000, K, N, r, torch.bfloat16, device="cuda"), SCALE, drop,
                         tol=GPU_TOL[torch.bfloat16])  # fmt: skip
     assert tuner_calls, "the first M of the bucket did not go through the tuner"
@@ -333,7 +335,7 @@ def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly(
     torch.manual_seed(0)
     sms = tuning.sm_count(torch.cuda.current_device())
     inputs = make_inputs(128 * sms, 1024, 4096, 16, torch.bfloat16, device="cuda")
-    drop = Dropout(p=0.1, seed=7, position="pre")
+    drop = Dropout(p=0.1, seed=seed_tensor(7, "cuda"), position="pre")
     check_against_eager(*inputs, SCALE, drop, tol=GPU_TOL[torch.bfloat16])
     x, weight, b, lora_A, lora_B, dy = inputs
     runs = []

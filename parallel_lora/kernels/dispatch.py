@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._dropout import P_RANGE, Dropout, seed_tensor, valid_p
+from .._dropout import Dropout, check_seed
 from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
@@ -90,47 +90,42 @@ def _check_sizes(x, weight, lora_A, lora_B) -> tuple[int, int, int, int]:
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             got = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 2-D tensor, got {got}")
-    M, K = x.shape
-    N = weight.shape[0]
+    return x.shape[0], x.shape[1], weight.shape[0], lora_A.shape[0]
+
+
+def _check_kernel(x: torch.Tensor, lora_A: torch.Tensor) -> int:
+    """What the kernels take beyond the op's shapes: the rank and the compute dtype."""
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"the Triton kernels compute in float32, float16 or bfloat16, got {x.dtype}")
     r = lora_A.shape[0]
     if not 1 <= r <= MAX_RANK:
         raise ValueError(f"the LoRA rank r = lora_A.shape[0] must be in [1, {MAX_RANK}], got {r}")
-    return M, K, N, r
+    return r
 
 
-def _check_scalars(scale, dropout) -> None:
+def _check_forward(x, weight, bias, lora_A, lora_B) -> None:
+    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    _check_tensors(
+        {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
+        {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
+    )
+
+
+def _check_backward(dy, x, weight, lora_A, lora_B, s_lora) -> None:
+    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
+    _check_tensors(
+        {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
+        {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
+    )
+
+
+def _check_call(scale: float, dropout: Dropout | None, x) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    if dropout is not None:
-        if not isinstance(dropout, Dropout):
-            raise ValueError(f"dropout must be a parallel_lora._dropout.Dropout or None, got {dropout!r}")
-        if not valid_p(dropout.p):
-            raise ValueError(f"dropout.p must be in {P_RANGE}, got {dropout.p}")
-        if dropout.position not in ("pre", "post"):
-            raise ValueError(f"dropout.position must be 'pre' or 'post', got {dropout.position!r}")
-        if dropout.k_offset < 0:
-            raise ValueError(f"dropout.k_offset must be >= 0, got {dropout.k_offset}")
-
-
-def _seed(dropout: Dropout | None, x: torch.Tensor) -> torch.Tensor | None:
-    """``dropout.seed`` checked (an int, or a 1-element int64 tensor on x's device) and, under an active mask, as the
-    kernels read it: a tensor on x's device (an int is copied there); None without an active mask."""
-    if dropout is None:
-        return None
-    seed = dropout.seed
-    if isinstance(seed, torch.Tensor):
-        if seed.dtype != torch.int64 or seed.numel() != 1:
-            raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed.dtype} "
-                             f"of shape {_shape(seed)}")  # fmt: skip
-    elif not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"dropout.seed must be an int or a 1-element int64 tensor, got {seed!r}")
-    if _active(dropout) is None:  # p == 0: the seed is never read
-        return None
-    if not isinstance(seed, torch.Tensor):
-        return seed_tensor(seed, x.device)
-    if seed.device != x.device:
-        raise ValueError(f"dropout.seed must be on the operands' device {x.device}, got {seed.device}")
-    return seed
+    if dropout is not None and not isinstance(dropout, Dropout):
+        raise ValueError(f"dropout must be a parallel_lora._dropout.Dropout or None, got {dropout!r}")
+    if dropout is not None and dropout.p > 0.0 and isinstance(x, torch.Tensor):
+        check_seed(dropout.seed, x.device)
 
 
 def _device_key(x: torch.Tensor) -> tuple[int, int]:
@@ -147,13 +142,12 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16
 
 
-def mask_key(dropout: Dropout | None) -> tuple | None:
-    """What of a call's dropout its launches are compiled for: the position, and for "pre" the parity of the
-    shard's ``k_offset`` (``dropout_mask.drop_tile``); None without an active mask."""
-    drop = _active(dropout)
-    if drop is None:
+def mask_key(mode: str | None, k_offset: int) -> tuple | None:
+    """What of a call's active mask (``mode``: its position, None without one) its launches are compiled for: the
+    position, and for "pre" the parity of the shard's ``k_offset`` (``dropout_mask.drop_tile``)."""
+    if mode is None:
         return None
-    return drop.position, drop.position == "pre" and drop.k_offset % 2 == 1
+    return mode, mode == "pre" and k_offset % 2 == 1
 
 
 def forward_key(
@@ -213,43 +207,29 @@ def _dx_takes_fused(dy: torch.Tensor, weight: torch.Tensor) -> bool:
     return dy.numel() > 0 and weight.numel() > 0 and tma_compatible(dy, _dx_operand(weight)[0], weight.shape[1])
 
 
-def _active(dropout: Dropout | None) -> Dropout | None:
-    # p == 0 keeps every element (u >= 0 always) with scale 1: skip the masks altogether.
-    return dropout if dropout is not None and dropout.p > 0.0 else None
-
-
-def _drop_kwargs(dropout: Dropout | None, seed: torch.Tensor | None) -> dict:
-    return {} if dropout is None else {"p": dropout.p, "seed": seed}
-
-
-def _prologue(
-    scale: float, dropout: Dropout | None, key_of: Callable[..., tuple], operands: tuple, needs: tuple = ()
-) -> tuple[Dropout | None, str | None, int, tuple | None]:
-    """What a call settles before its layout's sites: ``scale`` and ``dropout`` checked (at every call: neither is
-    part of a layout) -> ``(the active mask or None, its position, its "pre" k_offset (else 0), the sites key)``, the
-    key ``key_of(*operands, mask_key, *needs)``, or None where an operand is not a tensor (its checks say which)."""
-    _check_scalars(scale, dropout)
-    drop = _active(dropout)
+def _prologue(scale: float, dropout: Dropout | None, key_of: Callable[..., tuple], operands: tuple, needs=()):
+    """A direct call's checks (at every call: the scalars are not part of a layout) -> ``(mode, p, seed, its "pre"
+    k_offset or 0, the sites key)``; the key is None where an operand is not a tensor (its checks say which)."""
+    _check_call(scale, dropout, operands[0])
+    if dropout is None or dropout.p == 0.0:  # p == 0 keeps every element: no mask at all
+        mode, p, seed, k_offset = None, 0.0, None, 0
+    else:
+        mode, p, seed = dropout.position, float(dropout.p), dropout.seed
+        k_offset = dropout.k_offset if mode == "pre" else 0
     try:
-        key = key_of(*operands, mask_key(drop), *needs)
+        key = key_of(*operands, mask_key(mode, k_offset), *needs)
     except AttributeError:
         key = None
-    if drop is None:
-        return None, None, 0, key
-    return drop, drop.position, drop.k_offset if drop.position == "pre" else 0, key
+    return mode, p, seed, k_offset, key
 
 
 def forward_entry(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
     mode: str | None,
 ) -> tuple[Site, Site, bool | None]:
-    """Check a forward layout's operands and settle its launches: ``(site, site, w_nk)`` (``w_nk`` None: the
-    separate shrink and GEMM launches, else how the fused launch reads W)."""
-    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
-    _check_tensors(
-        {"x": x, "weight": weight, "bias": bias, "lora_A": lora_A, "lora_B": lora_B},
-        {"x": (M, K), "weight": (N, K), "bias": (N,), "lora_A": (r, K), "lora_B": (N, r)},
-    )
+    """Settle a checked forward layout's launches: ``(site, site, w_nk)`` (``w_nk`` None: the separate shrink and
+    GEMM launches, else how the fused launch reads W)."""
+    _check_kernel(x, lora_A)
     return Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None
 
 
@@ -272,24 +252,16 @@ def run_forward(
     return lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=site_y), s_lora
 
 
-def forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` (one dtype, any strides)
-    -> ``(y [M, N], S [M, r])`` in ``x.dtype``. ``M == 0`` returns empty outputs without a launch."""
-    drop, mode, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
+def forward(x, weight, bias, lora_A, lora_B, scale, dropout=None):
+    """The op for callers without a plan: ``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` in
+    one dtype, ``dropout`` a ``Dropout`` or None -> ``(y [M, N], S [M, r])``."""
+    mode, p, seed, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
     entry = _FORWARD_SITES.get(key)
     fresh = entry is None
     if fresh:
+        _check_forward(x, weight, bias, lora_A, lora_B)
         entry = forward_entry(x, weight, bias, lora_A, lora_B, mode)
-    p = 0.0 if drop is None else float(drop.p)
-    out = run_forward(entry, x, weight, bias, lora_A, lora_B, float(scale), p, _seed(dropout, x), mode, k_offset)
+    out = run_forward(entry, x, weight, bias, lora_A, lora_B, float(scale), p, seed, mode, k_offset)
     if fresh and key is not None:  # stored once filled: another thread never reads a half-bound site
         keep_at_most(_FORWARD_SITES, key, entry, SITES_KEPT)
     return out
@@ -299,12 +271,8 @@ def backward_entry(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     s_lora: torch.Tensor, mode: str | None, needs_dx: bool, needs_dA: bool, needs_dB: bool,
 ) -> tuple:
-    """Check a backward layout's operands and settle its launches: ``(site, site, site, w_nk, db_in_g)``."""
-    M, K, N, r = _check_sizes(x, weight, lora_A, lora_B)
-    _check_tensors(
-        {"dy": dy, "x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B, "s_lora": s_lora},
-        {"dy": (M, N), "x": (M, K), "weight": (N, K), "lora_A": (r, K), "lora_B": (N, r), "s_lora": (M, r)},
-    )
+    """Settle a checked backward layout's launches: ``(site, site, site, w_nk, db_in_g)``."""
+    _check_kernel(x, lora_A)
     fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
     # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
     db_in_g = fused and needs_dB and mode != "pre" and takes_db_partials(*dy.shape, pad_rank(lora_A.shape[0]))
@@ -349,32 +317,19 @@ def run_backward(
     return dx, dA, dB
 
 
-def backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    s_lora: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-    needs_dx: bool = True,
-    needs_dA: bool = True,
-    needs_dB: bool = True,
-    grad_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``dy [M, N]`` with the forward's ``x [M, K]``, ``W [N, K]``, ``A [r, K]``, ``B [N, r]``, ``S [M, r]``
-    (one dtype) -> ``(dx [M, K] | None, dA [r, K] | None, dB [N, r] | None)``, dx in that dtype, dA and dB in
-    ``grad_dtype`` (default: that dtype). ``dropout`` must be the forward's (same seed): the masks are regenerated."""
+def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_dx=True, needs_dA=True, needs_dB=True,
+             grad_dtype=None):  # fmt: skip
+    """The op's backward for callers without a plan: ``dy [M, N]`` and the forward's operands and ``dropout`` ->
+    ``(dx, dA, dB)``, None where not wanted; dA, dB in ``grad_dtype`` (default dy's)."""
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
     needs = (needs_dx, needs_dA, needs_dB)
-    drop, mode, k_offset, key = _prologue(scale, dropout, backward_key, operands, (*needs, grad_dtype))
+    mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, (*needs, grad_dtype))
     entry = _BACKWARD_SITES.get(key)
     fresh = entry is None
     if fresh:
+        _check_backward(*operands)
         entry = backward_entry(*operands, mode, *needs)
-    p = 0.0 if drop is None else float(drop.p)
-    grads = run_backward(entry, *operands, float(scale), p, _seed(dropout, dy), mode, k_offset, *needs, grad_dtype)
+    grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs, grad_dtype)
     if fresh and key is not None:
         keep_at_most(_BACKWARD_SITES, key, entry, SITES_KEPT)
     return grads

@@ -1,19 +1,9 @@
 """The fused LoRA op as torch.compile sees it: ``parallel_lora::lora_forward`` and ``parallel_lora::lora_backward``.
 
-``torch.library.custom_op`` registrations of the Triton path (``parallel_lora.kernels.dispatch``), with fake
-implementations giving their outputs' shapes and dtypes, so Dynamo traces ``LoRAFunction`` whole and
-Inductor schedules the op as one opaque call. The op's arguments are plain tensors and scalars: a call's
-``Dropout`` travels as ``(p, seed, position, k_offset)``, with ``seed`` a ``[1]`` int64 tensor (None without an
-active mask). Their real implementations launch the kernels exactly as an eager call does (each layout's tuned
-configs, its bound kernels), so there is one launch path, compiled or not.
-
-``compiled_forward`` / ``compiled_backward`` are what the autograd Function calls while compiling; eager calls go to
-``dispatch`` directly (a custom op's dispatch costs host time the eager path does not spend).
-
     lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
     lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
 
-All operands in one dtype (the caller casts, ``parallel_lora._dtypes``); outputs in that dtype.
+Operands in one dtype; the implementations are ``dispatch.forward`` / ``dispatch.backward``.
 """
 
 from __future__ import annotations
@@ -21,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .._dropout import Dropout, seed_tensor
+from .._dropout import Dropout
 
 _KERNELS: list = []  # the dispatch module, imported (with Triton) at the first fused call
 
@@ -35,104 +25,40 @@ def dispatch_module():
     return _KERNELS[0]
 
 
+# The op's one signature: a call's ``Dropout`` travels as (p, seed, position, k_offset), p = 0 without one.
+FORWARD = ("(Tensor x, Tensor weight, Tensor? bias, Tensor lora_A, Tensor lora_B, float scale, float p, Tensor? seed, "
+           "str position, int k_offset) -> (Tensor, Tensor)")  # fmt: skip
+BACKWARD = ("(Tensor dy, Tensor x, Tensor weight, Tensor lora_A, Tensor lora_B, Tensor s_lora, float scale, float p, "
+            "Tensor? seed, str position, int k_offset, bool needs_dx, bool needs_dA, bool needs_dB, "
+            "ScalarType? grad_dtype=None) -> (Tensor, Tensor, Tensor)")  # fmt: skip
+
+
 def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) -> Dropout | None:
-    return None if seed is None else Dropout(p=p, seed=seed, position=position, k_offset=k_offset)
+    return None if p == 0.0 else Dropout(p, seed, position, k_offset)
 
 
-def _unpack(dropout: Dropout | None, device: torch.device) -> tuple[float, torch.Tensor | None, str, int]:
-    if dropout is None:
-        return 0.0, None, "pre", 0
-    seed = dropout.seed if isinstance(dropout.seed, torch.Tensor) else seed_tensor(dropout.seed, device)
-    return float(dropout.p), seed, dropout.position, int(dropout.k_offset)
+def _forward(x, weight, bias, lora_A, lora_B, scale, *dropout) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch_module().forward(x, weight, bias, lora_A, lora_B, scale, _dropout(*dropout))
 
 
-@custom_op("parallel_lora::lora_forward", mutates_args=())
-def lora_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: torch.Tensor | None,
-    dropout_position: str,
-    k_offset: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
-    return dispatch_module().forward(x, weight, bias, lora_A, lora_B, scale, dropout)
-
-
-@lora_forward.register_fake
-def _(x, weight, bias, lora_A, lora_B, scale, dropout_p, dropout_seed, dropout_position, k_offset):
-    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
-
-
-@custom_op("parallel_lora::lora_backward", mutates_args=())
-def lora_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    s_lora: torch.Tensor,
-    scale: float,
-    dropout_p: float,
-    dropout_seed: torch.Tensor | None,
-    dropout_position: str,
-    k_offset: int,
-    needs_dx: bool,
-    needs_dA: bool,
-    needs_dB: bool,
-    grad_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dropout = _dropout(dropout_p, dropout_seed, dropout_position, k_offset)
-    grads = dispatch_module().backward(
-        dy, x, weight, lora_A, lora_B, s_lora, scale, dropout, needs_dx=needs_dx, needs_dA=needs_dA, needs_dB=needs_dB,
-        grad_dtype=grad_dtype,
-    )
-    # A custom op returns tensors: a gradient not asked for comes back empty (``compiled_backward`` makes it None).
+def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torch.Tensor, ...]:
+    grads = dispatch_module().backward(dy, x, weight, lora_A, lora_B, s_lora, scale, _dropout(*args[:4]), *args[4:])
+    # A custom op returns tensors: a gradient not asked for comes back empty (the caller makes it None).
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
+lora_forward = custom_op("parallel_lora::lora_forward", _forward, mutates_args=(), schema=FORWARD)
+lora_backward = custom_op("parallel_lora::lora_backward", _backward, mutates_args=(), schema=BACKWARD)
+
+
+@lora_forward.register_fake
+def _(x, weight, bias, lora_A, lora_B, *scalars):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
+
+
 @lora_backward.register_fake
-def _(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout_p, dropout_seed, dropout_position, k_offset, needs_dx,
-      needs_dA, needs_dB, grad_dtype=None):  # fmt: skip
-    grad = grad_dtype or dy.dtype
+def _(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
+    (needs_dx, needs_dA, needs_dB), grad_dtype = scalars[5:8], scalars[8:]  # after scale, p, seed, position, k_offset
+    grad = grad_dtype[0] or dy.dtype if grad_dtype else dy.dtype
     outs = ((needs_dx, x.shape, dy.dtype), (needs_dA, lora_A.shape, grad), (needs_dB, lora_B.shape, grad))
     return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)
-
-
-def compiled_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dispatch.forward`` as the registered op ``parallel_lora::lora_forward``, for a graph being compiled."""
-    return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, scale, *_unpack(dropout, x.device))
-
-
-def compiled_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    lora_A: torch.Tensor,
-    lora_B: torch.Tensor,
-    s_lora: torch.Tensor,
-    scale: float,
-    dropout: Dropout | None,
-    needs_dx: bool = True,
-    needs_dA: bool = True,
-    needs_dB: bool = True,
-    grad_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``dispatch.backward`` as the registered op ``parallel_lora::lora_backward``, for a graph being compiled."""
-    grads = torch.ops.parallel_lora.lora_backward(
-        dy, x, weight, lora_A, lora_B, s_lora, scale, *_unpack(dropout, x.device), needs_dx, needs_dA, needs_dB,
-        grad_dtype,
-    )
-    return tuple(g if needed else None for g, needed in zip(grads, (needs_dx, needs_dA, needs_dB), strict=True))
