@@ -49,15 +49,15 @@ __all__ = [
     "load_checkpoint",
     "latest_checkpoint",
     # What a training script on the library needs (launch/ uses them):
-    "checkpoint_meta",  # a checkpoint's step and extras, read without loading it
-    "is_collective_failure",  # tell a failed collective from a bug, to exit with the right code
-    "remove_stale_checkpoint_temporaries",  # clean the checkpoint writes a killed run left
-    "remove_stale_temporaries",  # clean the atomic-file temporaries a killed run left
-    "replace_file",  # write a file atomically, as the library writes its own
-    "rank",  # this process's rank, before the process group exists too
-    "ADAPTER_CONFIG",  # the file that marks an adapter directory
-    "adapter_configs",  # the LoRAConfigs that rebuild a saved adapter
-    "P_RANGE",  # LoRAConfig.dropout's range, for a command line's message
-    "valid_p",  # LoRAConfig.dropout's check, for a command line's flag
+    "checkpoint_meta",
+    "is_collective_failure",
+    "remove_stale_checkpoint_temporaries",
+    "remove_stale_temporaries",
+    "replace_file",
+    "rank",
+    "ADAPTER_CONFIG",
+    "adapter_configs",
+    "P_RANGE",
+    "valid_p",
 ]
 __version__ = "0.1.0"

@@ -1,26 +1,4 @@
-"""Adapter files in Hugging Face PEFT's format, and resumable training-state checkpoints.
-
-Adapter files (``save_adapter`` / ``load_adapter``): a directory with
-
-- ``adapter_model.safetensors``: full (gathered) tensors under PEFT's keys
-  ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``;
-- ``adapter_config.json``: PEFT's ``LoraConfig`` fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
-
-The directory changes as a whole (``parallel_lora._files.replace_directory``): both files are written into a
-fresh sibling directory, synced, and swapped into place, so a reader or a crash sees the previous pair or the new
-one, never one file of each. The tensors file records in its safetensors header the sha256 of its tensor data,
-the config fields that set the adapters' scale and a fingerprint of the base; ``load_adapter`` checks them (a file
-without the record, PEFT's, loads unchecked).
-
-Training state (``save_checkpoint`` / ``load_checkpoint``): ``torch.distributed.checkpoint`` (sharded,
-reshardable across TP sizes) of the adapters, the optimizer and the step, plus each rank's RNG states and the sha256
-of every file, in ``<dir>/step_<N>``. The directory is written under a ``.tmp-<pid>@<host>`` name and renamed once
-every rank has finished, so an interrupted save is never picked up as the latest; a load verifies every file first.
-
-Every call that communicates (``save_adapter`` and ``load_checkpoint`` / ``save_checkpoint`` in a process
-group) must be made by every rank. When one of its collectives fails or times out (a rank that did not call
-it, or died), it raises ``RuntimeError`` saying so rather than a backend's bare timeout.
-"""
+"""Adapter files in PEFT's format and resumable training checkpoints (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -64,8 +42,7 @@ def _distributed() -> bool:
 
 
 def _rank() -> int:
-    # Who writes: without a process group this process is the whole world and writes, whatever $RANK says
-    # (log.rank reads $RANK for messages, where staying quiet is harmless; here it would save nothing).
+    # Not _log.rank: without a process group this process writes, whatever $RANK says.
     return dist.get_rank() if _distributed() else 0
 
 
@@ -73,8 +50,7 @@ _COMM_ERROR = re.compile(r"timed out|connection (closed|reset) by peer|broken pi
 
 
 def is_collective_failure(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a collective that failed or timed out: a process
-    group backend's error, or its message (gloo's "Timed out waiting ...", "Connection closed by peer")."""
+    """Whether ``exc``, or an exception it was raised from, is a collective that failed or timed out."""
     while exc is not None:
         if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and _COMM_ERROR.search(str(exc))):
             return True
@@ -84,8 +60,7 @@ def is_collective_failure(exc: BaseException | None) -> bool:
 
 @contextlib.contextmanager
 def _collective(what: str) -> Iterator[None]:
-    """Re-raise a failed or timed-out collective inside as a ``RuntimeError`` that says every rank must call
-    ``what``: the usual cause is a call on rank 0 only (Hugging Face's ``save_pretrained`` habit)."""
+    """Re-raise a failed collective inside as a ``RuntimeError`` saying that every rank must call ``what``."""
     try:
         yield
     except Exception as e:
@@ -104,9 +79,6 @@ def _barrier(what: str) -> None:
             dist.barrier()
 
 
-# Path components that wrappers insert without changing what the model computes: torch.compile's
-# ``_orig_mod``, activation checkpointing's ``_checkpoint_wrapped_module`` and FSDP1's ``_fsdp_wrapped_module``
-# (names torch reserves), and ``module`` when the parent is DDP or DataParallel.
 _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
@@ -124,9 +96,7 @@ def _unwrapped_name(model: nn.Module, name: str) -> str:
 
 
 def _adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every LoRA layer of ``model`` by its unwrapped name (adapter files are keyed by the model's own paths,
-    whatever compile, checkpoint or DDP wrappers the training run put around its parts). A bare LoRA layer is
-    its own one module, named ``""``."""
+    """Every LoRA layer of ``model`` by its unwrapped name (``""`` for a bare layer)."""
     modules = [(_unwrapped_name(model, name), m) for name, m in lora_modules(model)]
     if not modules:
         raise ValueError("the model has no LoRA layers (run apply_lora or build it from parallel_lora layers)")
@@ -138,15 +108,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """``model`` without the compile / DDP wrappers around it (whose attributes hide the model's ``config``)."""
+    """``model`` without the compile / DDP wrappers around it."""
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or hasattr(model, "_orig_mod"):
         model = model.module if hasattr(model, "module") else model._orig_mod
     return model
 
 
 def _base_fingerprint(model: nn.Module) -> dict[str, Any]:
-    """``fingerprint.base_fingerprint`` of every parameter of ``model`` but its adapters, merged layers at their
-    pre-merge weights. Collective where the base holds DTensors."""
+    """``base_fingerprint`` of every parameter but the adapters, merged weights before the merge; collective."""
     adapters, before_merge = set(), {}
     for _, m in lora_modules(model):
         adapters.update(id(p) for factor in _FACTORS for p in getattr(m, factor).parameters())
@@ -158,14 +127,10 @@ def _base_fingerprint(model: nn.Module) -> dict[str, Any]:
 
 
 def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
-    """Write the adapters of ``model`` to the directory ``path``, replacing it as a whole.
+    """Write the adapters of ``model`` (or of one bare LoRA layer) to the directory ``path`` in PEFT's format.
 
-    ``model``: a model with LoRA layers (single-device or tensor-parallel), or one bare LoRA layer (keys
-    ``base_model.model.lora_A.weight`` / ``lora_B.weight``). Collective in a process group: every rank must call
-    it (each gathers its shards of the full tensors; rank 0 writes, then tells every rank how it went). A failed
-    or timed-out collective raises ``RuntimeError`` saying so. ``path`` must not hold files other than an
-    adapter's (``ValueError``): the directory is replaced whole. ``base_model_name_or_path`` (default: the model
-    config's ``_name_or_path``) goes into ``adapter_config.json``, a fingerprint of the base into the tensors' header.
+    Every rank must call it. ``base_model_name_or_path`` defaults to the model config's ``_name_or_path``. Raises
+    ``ValueError`` if ``path`` holds other files, ``RuntimeError`` if a collective fails.
     """
     out = Path(path)
     modules = _adapter_modules(model)
@@ -198,14 +163,13 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, *, base_model_name_o
         raise error
 
 
-# save_adapter's gathered tensors and outcome flags, kept until the next call: gloo's worker thread may drop the last
-# reference to a collective's tensor after wait() returned, and at interpreter shutdown freeing it there aborts.
+# Kept until the next call: gloo's worker thread freeing a collective's tensor at interpreter shutdown aborts.
 _SAVED_TENSORS: dict[str, torch.Tensor] = {}
 _OUTCOME_FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
 def _broadcast_outcome(message: str | None) -> str | None:
-    """Rank 0's ``message`` (None: success) on every rank: a kept flag tensor, and the text only on a failure."""
+    """Rank 0's ``message`` (None: success) on every rank."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     flag = _OUTCOME_FLAGS.setdefault(device, torch.zeros(1, dtype=torch.int32, device=device))
     flag.fill_(0 if message is None else 1)
@@ -219,8 +183,7 @@ def _broadcast_outcome(message: str | None) -> str | None:
 
 def _check_base(model: nn.Module, saved: dict[str, Any], name: str | None, path: str | os.PathLike,
                 strict: bool) -> None:
-    """Warn in one line (``strict``: raise ``ValueError``) when ``model``'s base is not the one the adapter at
-    ``path`` was trained on."""
+    """Warn (``strict``: raise ``ValueError``) when ``model``'s base is not the one the adapter was trained on."""
     with _collective("load_adapter"):
         now = _base_fingerprint(model)
     if all(now.get(k) == saved.get(k) for k in ("model_type", "tensors", "parameters", "sha256")):
@@ -246,15 +209,9 @@ def _check_adapter_only(out: Path) -> None:
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = False) -> nn.Module:
-    """Load adapters saved by ``save_adapter`` or by PEFT into ``model`` (or into one bare LoRA layer), at any TP
-    size.
+    """Load adapters saved by ``save_adapter`` or PEFT into ``model`` (or one bare LoRA layer), at any TP size.
 
-    Checks, before touching the model: that no adapter is merged (``unmerge_lora()`` first), the tensors'
-    checksum and that the config is the one saved with them (files ``save_adapter`` wrote), ``r``,
-    ``lora_alpha``, the key set and every shape. On any mismatch or an unreadable/truncated file it raises
-    ``ValueError`` naming the file, key or shapes, and the model is unchanged. A base other than the one the adapter
-    was trained on (its recorded fingerprint) gets a one-line warning, or ``ValueError`` with ``strict=True``. Every
-    rank reads the file and keeps its own shard; the fingerprint of DTensor weights takes one small all-reduce.
+    Raises ``ValueError``, leaving the model unchanged, on any mismatch; another base warns, or raises with ``strict``.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -313,14 +270,13 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Fa
     unexpected = sorted(set(normalized) - expected)
     if unexpected:
         raise ValueError(f"load_adapter: {weights_path} has tensors the model lacks, e.g. {unexpected[:4]}")
-    if record is not None and record.get("base"):  # files saved before adapters recorded their base have none
+    if record is not None and record.get("base"):
         _check_base(model, record["base"], file_config.get("base_model_name_or_path"), path, strict)
 
     with torch.no_grad():
         for param, full in plan:
             full = full.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
-                # Each rank already holds the full tensor: keep its own shard, no communication.
                 local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 param.to_local().copy_(local)
             else:
@@ -328,17 +284,13 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, *, strict: bool = Fa
     return model
 
 
-# -- training-state checkpoints ------------------------------------------------------------------------------
-
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-CHECKSUMS = "checksums.json"  # a checkpoint's {"sha256": {file name: hex digest}} of every other file in it
-# A save in progress (or killed): ``step_<N>.tmp-<pid>@<host>`` of the rank 0 that publishes it (untagged: older).
+CHECKSUMS = "checksums.json"
 _STEP_TMP = re.compile(r"^step_(?P<step>\d+)\.tmp(?:-(?P<tag>\d+@[A-Za-z0-9._-]+))?$")
 
 
 def remove_stale_checkpoint_temporaries(root: str | os.PathLike, step: int | None = None) -> list[Path]:
-    """Remove the ``step_<N>.tmp-*`` directories under ``root`` (of ``step`` only, if given) whose writer is gone;
-    returns them."""
+    """Remove and return the ``step_<N>.tmp-*`` directories in ``root`` (of ``step``, if given) whose writer is gone."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -377,11 +329,9 @@ def _rng_state() -> dict[str, Any]:
 def save_checkpoint(
     root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict | None = None
 ) -> Path:
-    """Save adapters + optimizer + step (+ ``extra``, JSON-able) to ``root/step_<step>``.
+    """Save the adapters, optimizer state, RNG states, ``step`` and ``extra`` (JSON-able) to ``root/step_<step>``.
 
-    Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). Written to ``step_<step>.tmp-<pid>@<host>`` (rank 0's) first, marked complete, and
-    renamed by rank 0 after a barrier; stale temporaries of the step are removed first.
+    Every rank must call it; returns the directory, which appears only once complete.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -390,9 +340,9 @@ def save_checkpoint(
     names = [f"step_{step:08d}.tmp-{writer_tag()}"]
     if _rank() == 0:
         remove_stale_checkpoint_temporaries(root, step)
-        shutil.rmtree(root / names[0], ignore_errors=True)  # this process's own earlier attempt, if one failed
+        shutil.rmtree(root / names[0], ignore_errors=True)
         (root / names[0]).mkdir(parents=True)
-    if _distributed():  # every rank writes into rank 0's directory, which exists once this returns
+    if _distributed():
         with _collective("save_checkpoint"):
             dist.broadcast_object_list(names, src=0)
     tmp = root / names[0]
@@ -402,7 +352,6 @@ def save_checkpoint(
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
-    # Each rank hashes the files it wrote (DCP names a rank's shards __<rank>_<n>.distcp); rank 0 also the rest.
     mine = re.compile(rf"^(__{_rank()}_\d+\.distcp|rng_rank{_rank()}\.pt)$")
     sums = {p.name: _sha256(p) for p in tmp.iterdir() if mine.match(p.name)}
     gathered = [sums]
@@ -413,13 +362,12 @@ def save_checkpoint(
     if _rank() == 0:
         sums = {name: digest for part in gathered for name, digest in part.items()}
         for p in tmp.iterdir():
-            if p.name not in sums and p.is_file():  # .metadata, meta.json, and whatever DCP names otherwise
+            if p.name not in sums and p.is_file():
                 sums[p.name] = _sha256(p)
-        # Written last, then the marker, both before the rename that publishes the directory.
         (tmp / CHECKSUMS).write_text(json.dumps({"sha256": dict(sorted(sums.items()))}, indent=1) + "\n")
         (tmp / ".complete").write_text("")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # the commit point: a step_<N> directory is always complete
+        os.replace(tmp, final)
     _barrier("save_checkpoint")
     return final
 
@@ -440,7 +388,7 @@ def _corrupt(path: Path, problem: str) -> ValueError:
 
 
 def _recorded_checksums(path: Path) -> dict[str, str] | None:
-    """The checksums ``path`` records (``None`` for a checkpoint saved before checkpoints recorded them)."""
+    """The checksums ``path`` records, or ``None``."""
     manifest = path / CHECKSUMS
     if not manifest.is_file():
         return None
@@ -462,8 +410,7 @@ def _problem(path: Path, name: str, want: str) -> str | None:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Check every file of the checkpoint ``path`` against the sha256 its ``checksums.json`` records; ``ValueError``
-    naming the first bad file. Collective in a process group (each rank hashes its share of the files)."""
+    """Check every file of checkpoint ``path`` against its ``checksums.json``; ``ValueError`` naming one; collective."""
     path = Path(path)
     sums = _recorded_checksums(path)
     if sums is None:
@@ -486,8 +433,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``meta.json`` of a ``save_checkpoint`` directory (``{"step": ..., "extra": ...}``), checked against its
-    recorded checksum (``ValueError`` if it fails). Reads nothing else; no communication."""
+    """``{"step": ..., "extra": ...}`` of a ``save_checkpoint`` directory, checked against its checksum; local."""
     path = Path(path)
     sums = _recorded_checksums(path)
     if sums is not None and (problem := _problem(path, "meta.json", sums.get("meta.json", ""))):
@@ -499,11 +445,9 @@ def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
-    """Refuse, in one paragraph, a checkpoint whose adapters do not fit the model's (another LoRA rank, other
-    target modules, another model), before ``dcp.load`` would fail with one error per tensor."""
+    """Refuse in one ``ValueError`` a checkpoint whose adapter names or shapes differ from the model's."""
     problems = []
-    # ``_extra_state`` entries are not adapters: older checkpoints hold the tensor-parallel layers' dropout streams
-    # there, which the layers no longer keep (their masks follow the RNG states saved per rank).
+    # Older checkpoints keep the TP layers' dropout streams in ``_extra_state``: not adapters.
     for key, t in model_state.items():
         if key.endswith("_extra_state"):
             continue
@@ -527,18 +471,10 @@ def _check_fits(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) 
 def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *, rng_from: int | None = None
 ) -> dict[str, Any]:
-    """Restore a ``save_checkpoint`` directory (resharding to the current TP layout); returns its metadata
-    ``{"step": ..., "extra": ...}``.
+    """Restore a ``save_checkpoint`` directory at the current TP layout; returns ``{"step": ..., "extra": ...}``.
 
-    RNG states: this rank restores those rank ``rng_from`` saved, by default its own; a rank the saving run did not
-    have (a resume on more ranks) restores rank 0's. That keeps the TP ranks' generators in one state, which their
-    dropout masks need, where the saving run seeded its TP ranks alike. Where the layout of data-parallel replicas
-    changes, pick ``rng_from`` per rank (``launch/train.py`` takes the first rank of the same replica).
-
-    Collective in a process group: every rank must call it (a failed or timed-out collective raises
-    ``RuntimeError`` saying so). Before anything is loaded, a file that fails its recorded checksum
-    (``verify_checkpoint``), or adapter shapes or names that differ from the model's, raise ``ValueError`` naming
-    them; a checkpoint without checksums (an older one) loads with a warning.
+    Every rank must call it. ``rng_from``: the saved rank whose RNG states to restore (default: this rank, else 0).
+    Raises ``ValueError`` before loading anything for a corrupt checkpoint or adapters that do not fit.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -546,13 +482,11 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".complete").is_file():
         raise ValueError(f"load_checkpoint: {path} is not a complete checkpoint (no .complete marker)")
-    verify_checkpoint(path)  # before anything is read for loading
+    verify_checkpoint(path)
     meta = checkpoint_meta(path)
     model_state, optim_state = _trainable_state(model, optimizer)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _check_fits(path, saved, model_state)
-    # Only what the model holds is read (an older checkpoint's dropout streams stay in the files); a module's extra
-    # state the checkpoint lacks keeps the module's own.
     model_state = {k: v for k, v in model_state.items() if not k.endswith("_extra_state") or f"model.{k}" in saved}
     state = {"model": model_state, "optim": optim_state}
     with _collective("load_checkpoint"):

@@ -1,8 +1,4 @@
-"""Replacing a file or a directory as a whole: readers and crashes see the old contents or the new, never a mix.
-
-Temporaries are named ``.<name>.new-<hex>-<pid>@<host>`` (and ``.old-``) beside the path they replace, so a later
-writer can tell one whose process is gone (killed mid-write) from one being written now: see docs/launcher.md.
-"""
+"""Replacing a file or a directory as a whole, and removing what killed writers left (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from pathlib import Path
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
 _TAG = r"(?P<pid>\d+)@(?P<host>[A-Za-z0-9._-]+)"
-# Untagged names are what writers made before temporaries named their writer.
 _TEMPORARY = re.compile(rf"^\.(?P<target>.+)\.(?P<kind>new|old)-[0-9a-f]{{8}}(?:-{_TAG})?$")
 
 
@@ -30,7 +25,7 @@ def writer_tag() -> str:
 
 
 def _started_at(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch, to about a second), where Linux's /proc tells."""
+    """When process ``pid`` started (epoch seconds, to about a second), where Linux's /proc tells."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the parenthesised command name
@@ -42,9 +37,7 @@ def _started_at(pid: int) -> float | None:
 
 
 def writer_gone(tag: str | None, since: float | None = None) -> bool:
-    """Whether the writer ``tag`` (``<pid>@<host>``) names is gone: untagged (an older writer's), or of this host with
-    no such process, or whose pid now belongs to a process started after ``since`` (the temporary's last write).
-    Another host's writer cannot be checked from here, so it is never gone."""
+    """Whether the writer ``tag`` (``<pid>@<host>``, None: untagged) is gone; another host's never is."""
     if tag is None:
         return True
     match = re.fullmatch(_TAG, tag)
@@ -81,8 +74,7 @@ def _remove(path: Path) -> None:
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Remove the temporaries ``replace_file`` / ``replace_directory`` left beside ``path`` whose writer is gone;
-    returns them. An ``.old-`` directory is kept while ``path`` does not exist: it then holds the only copy."""
+    """Remove and return the temporaries of ``path`` whose writer is gone (an ``.old-`` one only if ``path`` exists)."""
     out = Path(path)
     if not out.parent.is_dir():
         return []
@@ -117,23 +109,20 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 def replace_file(path: str | os.PathLike, data: bytes) -> None:
-    """Make ``path`` a file holding ``data``, replacing what was there in one step: ``data`` is written and fsynced
-    to a temporary file beside it, which ``os.replace`` renames over ``path``. Any failure before the rename
-    leaves ``path`` untouched (and no temporary file); stale temporaries of ``path`` are removed first."""
+    """Make ``path`` a file holding ``data`` in one atomic, fsynced rename; a failure leaves ``path`` untouched."""
     out = Path(path)
     remove_stale_temporaries(out)
     tmp = _temporary(out, "new", secrets.token_hex(4))
     try:
         _write_synced(tmp, data)
         os.replace(tmp, out)
-        _fsync_path(out.parent)  # the rename itself survives a power loss
+        _fsync_path(out.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the system
-    or the filesystem cannot; raises ``OSError`` for any other failure."""
+    """Swap two existing paths atomically (``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError, TypeError):  # not glibc / not Linux
@@ -148,15 +137,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def replace_directory(path: str | os.PathLike, files: dict[str, bytes], keep: Iterable[str] = ()) -> None:
-    """Make ``path`` a directory holding exactly ``files`` (name -> contents), plus the existing entries named in
-    ``keep`` (copied over), replacing what was there as a whole.
-
-    The files are written and fsynced into a fresh sibling directory, which is then swapped with ``path`` in one
-    atomic exchange (or renamed into place when ``path`` does not exist). Any failure before the swap leaves
-    ``path`` untouched. Without an atomic exchange (not Linux, or a filesystem without it) the swap is two
-    renames: a crash between them leaves the previous directory at ``.<name>.old-<hex>-<pid>@<host>`` beside
-    ``path``. Stale temporaries of ``path`` (``remove_stale_temporaries``) are removed first.
-    """
+    """Make ``path`` a directory holding exactly ``files`` (name -> bytes) and the entries named in ``keep``, swapped
+    in as a whole; a failure before the swap leaves ``path`` untouched."""
     out = Path(path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
@@ -177,6 +159,6 @@ def replace_directory(path: str | os.PathLike, files: dict[str, bytes], keep: It
             os.rename(out, old)
             os.rename(new, out)
             shutil.rmtree(old)
-        _fsync_path(out.parent)  # the swap itself survives a power loss
+        _fsync_path(out.parent)
     finally:
-        shutil.rmtree(new, ignore_errors=True)  # after an exchange: the previous directory
+        shutil.rmtree(new, ignore_errors=True)  # after an exchange, the previous directory

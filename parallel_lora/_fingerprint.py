@@ -1,9 +1,4 @@
-"""A fingerprint of a model's base (every parameter but the adapters): which base an adapter was trained on.
-
-It hashes each base parameter's name and global shape and its values at a few fixed global positions, rounded to
-bf16 with values below fp16's normal range flushed to zero: the same at any TP size and in any float dtype the base is
-loaded in, and cheap (a few values per tensor; one all-reduce of them per mesh dim where weights are DTensors).
-"""
+"""A fingerprint of a model's base, the same at any TP size and dtype (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-SAMPLES = 16  # values per tensor
+SAMPLES = 16
 _TINY = 2.0**-14  # fp16's smallest normal: below it a value loaded in fp16 no longer rounds to the same bf16
 
 
 def _positions(shape: torch.Size) -> torch.Tensor:
-    """``[k, ndim]`` global indices of the sampled values: ``k`` positions spread evenly over the flat tensor."""
+    """``[k, ndim]`` global indices of ``k`` positions spread evenly over the flat tensor."""
     n = shape.numel()
     k = min(SAMPLES, n)
     flat = torch.tensor([(2 * i + 1) * n // (2 * k) for i in range(k)], dtype=torch.long)
@@ -28,7 +23,7 @@ def _positions(shape: torch.Size) -> torch.Tensor:
 
 
 def _local_box(p: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``(local shape, global offset)`` of this rank's shard, for placements that shard into one box."""
+    """``(local shape, global offset)`` of this rank's shard, or None where it is not one box."""
     if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -37,16 +32,15 @@ def _local_box(p: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def _sampled(p: torch.Tensor, local: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-    """The sampled values (fp32) of parameter ``p`` (``local``: its local values, if not ``p``'s own), and the mesh
-    they still need a MAX all-reduce over (``None``: complete here). Positions this rank does not hold are -inf."""
-    if p.dim() == 0:  # a scalar: replicated wherever it lives
+    """fp32 samples of ``p`` (``local``: its values, if given; -inf where not held) and the mesh to MAX-reduce over."""
+    if p.dim() == 0:
         return (p.to_local() if isinstance(p, DTensor) else p).detach().reshape(1).float().cpu(), None
     idx = _positions(p.shape)
     if not isinstance(p, DTensor):
         values = p if local is None else local
         return values.detach()[tuple(idx.T.to(values.device))].float().cpu(), None
     box = _local_box(p)
-    if box is None:  # e.g. FSDP2's strided shards over TP: gather the whole tensor (rare, and correct)
+    if box is None:  # e.g. FSDP2's strided shards over TP: gather the whole tensor
         return p.detach().full_tensor()[tuple(idx.T.to(p.device))].float().cpu(), None
     values = p.to_local() if local is None else local
     shape, offset = (torch.tensor(v, dtype=torch.long) for v in box)
@@ -57,15 +51,13 @@ def _sampled(p: torch.Tensor, local: torch.Tensor | None) -> tuple[torch.Tensor,
     return out, p.device_mesh
 
 
-# The last call's all-reduced tensors, kept: gloo's worker thread may drop its reference to a collective's tensor after
-# wait() returned, and if that is the last one while the interpreter shuts down, the process aborts.
+# Kept until the next call: gloo's worker thread freeing a collective's tensor at interpreter shutdown aborts.
 _KEPT: list[torch.Tensor] = []
 
 
 def base_fingerprint(params: list[tuple[str, torch.Tensor, torch.Tensor | None]], model_type: str | None) -> dict:
-    """``{"model_type", "tensors", "parameters", "sha256"}`` of the base ``params`` (name, parameter, its local
-    values where they are not the parameter's own: a merged layer's pre-merge weight). Collective where a parameter
-    is a DTensor: every rank must call it."""
+    """``{"model_type", "tensors", "parameters", "sha256"}`` of ``(name, param, local values or None)`` entries;
+    collective where a parameter is a DTensor."""
     samples, pending = {}, {}
     _KEPT.clear()
     for name, p, local in params:
@@ -73,7 +65,7 @@ def base_fingerprint(params: list[tuple[str, torch.Tensor, torch.Tensor | None]]
         samples[name] = values
         if mesh is not None:
             pending.setdefault(id(mesh), (mesh, []))[1].append(name)
-    for mesh, names in pending.values():  # the same meshes in the same order on every rank
+    for mesh, names in pending.values():
         flat = torch.cat([samples[n] for n in names])
         _KEPT.append(flat)
         for dim in range(mesh.ndim):

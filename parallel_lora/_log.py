@@ -1,13 +1,5 @@
-"""The library's logger, ``logging.getLogger("parallel_lora")``: INFO and above on stderr, on rank 0 only.
-
-Under ``torchrun`` every rank runs the same code, so a message would otherwise appear once per rank. The
-logger drops records on ranks other than 0 (``rank()``: of the default process group, else ``$RANK``). To
-configure it otherwise:
-
-- silence it: ``logging.getLogger("parallel_lora").setLevel(logging.WARNING)``;
-- hear every rank: ``logging.getLogger("parallel_lora").removeFilter(parallel_lora._log.rank_zero_only)``;
-- route it through your own handlers: ``logger.handlers.clear(); logger.propagate = True``.
-"""
+"""``logging.getLogger("parallel_lora")``: INFO and above on stderr, rank 0 only (``removeFilter(rank_zero_only)``
+to hear every rank; ``handlers.clear()`` and ``propagate = True`` for your own handlers)."""
 
 from __future__ import annotations
 
@@ -21,8 +13,7 @@ logger = logging.getLogger("parallel_lora")
 
 
 def rank() -> int:
-    """This process's rank: in the default process group, else ``$RANK`` (torchrun sets it before the group exists),
-    else 0 (a process of its own)."""
+    """This process's rank: in the default process group, else ``$RANK`` (set by torchrun), else 0."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
@@ -40,7 +31,7 @@ class _StderrHandler(logging.StreamHandler):
         logging.Handler.__init__(self)
 
     @property
-    def stream(self):  # noqa: D102 - logging.StreamHandler's attribute
+    def stream(self):
         return sys.stderr
 
 
@@ -51,7 +42,7 @@ if not logger.handlers:
     _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(_handler)
-    logger.propagate = False  # printed once, by our handler, not again by a root handler the user configured
+    logger.propagate = False  # not printed again by a root handler the user configured
 if logger.level == logging.NOTSET:
     logger.setLevel(logging.INFO)
 logger.addFilter(rank_zero_only)

@@ -1,11 +1,4 @@
-"""Merging adapters into the base weight, and base-only forwards.
-
-``merge_lora`` folds ``s * B A`` into ``W`` shard by shard (no communication): a column shard updates
-``W_i += s B_i A`` and a row shard ``W_i += s B A_i``. Under FSDP2 each rank updates its FSDP shard of W
-the same way, with A gathered over the data-parallel dims (one all-gather of ``[r, K]`` per layer). The
-pre-merge local weight is kept, so ``unmerge_lora`` restores it bit for bit rather than subtracting in low
-precision.
-"""
+"""Merging adapters into the base weight, shard by shard, and base-only forwards."""
 
 from __future__ import annotations
 
@@ -20,15 +13,11 @@ from .layers import local_tensor, lora_modules
 
 
 def _merge_factors(name: str, m: nn.Module, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, A)`` as local tensors whose product lines up with ``w``, this rank's shard of W.
-
-    On the layer's own layout (one device, or its TP shards) they are the local shards. FSDP2 also shards
-    every parameter's dim 0 over its data-parallel mesh dims: W's and B's rows (both ``out``) alike, but A's
-    rows are r, so A is gathered over those dims and keeps only its tensor-parallel placement.
-    """
+    """``(B, A)`` as local tensors whose product lines up with ``w``, this rank's shard of W (under FSDP2, A is
+    gathered over the data-parallel dims)."""
     a, b = m.lora_A.weight, local_tensor(m.lora_B.weight)
     if isinstance(a, DTensor):
-        own = getattr(m, "mesh", None)  # a tensor-parallel layer's 1-D mesh
+        own = getattr(m, "mesh", None)
         if a.device_mesh is not own:
             tp = own.mesh_dim_names[0] if own is not None and own.mesh_dim_names else None
             names = a.device_mesh.mesh_dim_names or (None,) * a.device_mesh.ndim
@@ -50,11 +39,8 @@ def _merge_factors(name: str, m: nn.Module, w: torch.Tensor) -> tuple[torch.Tens
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight, in place; merged layers run the base GEMM alone.
-
-    Raises ``ValueError`` for a layer in training mode with dropout > 0: merging would silently turn its
-    dropout off. Already-merged layers are left as they are.
-    """
+    """Fold every adapter into its base weight, in place; ``ValueError`` for a training layer with dropout > 0
+    (merging would turn its dropout off)."""
     modules = [(n, m) for n, m in lora_modules(model) if not m.merged]
     for name, m in modules:
         if m.training and m.config.dropout > 0:
@@ -74,7 +60,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def unmerge_lora(model: nn.Module) -> nn.Module:
-    """Undo ``merge_lora`` exactly (restores each layer's pre-merge local weight)."""
+    """Undo ``merge_lora`` exactly, restoring each layer's kept pre-merge weight."""
     for _, m in lora_modules(model):
         if m.merged:
             local_tensor(m.weight).copy_(m._weight_before_merge)

@@ -1,12 +1,4 @@
-"""PEFT's adapter format: tensor keys, ``adapter_config.json``, and the record ``save_adapter`` adds to the tensors.
-
-Keys are ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``; the
-config holds PEFT's ``LoraConfig`` fields. The safetensors header of a file we write also records (under
-``__metadata__["parallel_lora"]``) the sha256 of the tensor data and the config fields that set the scale: PEFT
-and safetensors pass header metadata through untouched, so PEFT loads the file as its own, without a warning
-about unknown config keys. ``adapter_configs`` reads back, from a directory's config and tensor keys, the
-``LoRAConfig``s that rebuild its adapters.
-"""
+"""PEFT's adapter format: tensor keys, ``adapter_config.json``, and our record in the tensors file's header."""
 
 from __future__ import annotations
 
@@ -30,18 +22,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def peft_key(name: str, factor: str) -> str:
-    """PEFT's key of one factor: ``base_model.model.<path>.lora_A.weight``; a bare layer (path ``""``) gets its own
-    state-dict key under the prefix, ``base_model.model.lora_A.weight``."""
+    """PEFT's key of one factor, ``base_model.model.<path>.lora_A.weight`` (no ``<path>.`` for a bare layer)."""
     return PEFT_PREFIX + ".".join(p for p in (name, factor, "weight") if p)
 
 
 def peft_config(modules: list[tuple[str, nn.Module]], base_model_name_or_path: str | None = None) -> dict[str, Any]:
-    """The ``adapter_config.json`` contents PEFT writes for these adapters (``_adapter_modules`` of a model).
+    """The ``adapter_config.json`` PEFT writes for ``(name, layer)`` pairs; raises if dropout or rsLoRA differ.
 
-    Layers may differ in ``r`` and ``alpha`` (``apply_lora`` called with several configs): the most common pair
-    is the file's ``r`` / ``lora_alpha``, and every other layer gets a ``rank_pattern`` / ``alpha_pattern``
-    entry keyed by its whole path (escaped, since PEFT reads keys as regular expressions). PEFT has no
-    per-module dropout or rsLoRA, so those must agree across layers."""
+    The most common ``(r, alpha)`` is the file's; the other layers get ``rank_pattern`` / ``alpha_pattern`` entries.
+    """
     shared = {(m.config.dropout, m.config.use_rslora) for _, m in modules}
     if len(shared) != 1:
         raise ValueError(
@@ -74,15 +63,12 @@ def peft_config(modules: list[tuple[str, nn.Module]], base_model_name_or_path: s
     }
 
 
-# The config fields that set what the tensors compute; the tensors file records them, so a config from another
-# save (same shapes, another alpha) is refused instead of loading at the wrong scale.
 SCALE_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
-RECORD = "parallel_lora"  # the safetensors header metadata key of that record and the tensors' checksum
+RECORD = "parallel_lora"
 
 
 def _header_end(blob: bytes) -> int:
-    """Where the tensor bytes of a serialized safetensors file start: after its 8-byte little-endian header length
-    and the JSON header."""
+    """Where a safetensors file's tensor bytes start: after the 8-byte header length and the JSON header."""
     return 8 + int.from_bytes(blob[:8], "little")
 
 
@@ -91,8 +77,7 @@ def _header(blob: bytes) -> dict[str, Any]:
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of ``tensors`` in sorted-key order, each as its key, dtype, shape and bytes: every byte of a safetensors
-    file's data belongs to one tensor, so a changed byte there (or a changed key, dtype or shape) changes it."""
+    """sha256 of ``tensors`` in sorted-key order, each as its key, dtype, shape and bytes."""
     h = hashlib.sha256()
     for key in sorted(tensors):
         t = tensors[key].detach().cpu().contiguous()
@@ -102,8 +87,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any], base: dict[str, Any] | None = None) -> bytes:
-    """The safetensors file of ``tensors``, its header recording their sha256 (``tensors_sha256``), ``config``'s
-    scale fields and the ``base`` fingerprint. PEFT and safetensors pass header metadata through untouched."""
+    """The safetensors bytes of ``tensors``, recording their sha256, ``config``'s scale fields and ``base``."""
     from safetensors.torch import save
 
     record = {"sha256": tensors_sha256(tensors), "config": {k: config[k] for k in SCALE_FIELDS}}
@@ -112,8 +96,7 @@ def serialize(tensors: dict[str, torch.Tensor], config: dict[str, Any], base: di
     return save(tensors, metadata={"format": "pt", RECORD: json.dumps(record)})
 
 
-# PEFT ``LoraConfig`` fields that make an adapter compute something other than ``s * B A x`` on a plain linear
-# layer (LoRA variants, extra trained tensors, other modules), with the value that leaves the math alone.
+# PEFT fields that change what an adapter computes, with the value that leaves plain LoRA.
 _PEFT_PLAIN = {
     "use_dora": False,
     "lora_bias": False,
@@ -132,7 +115,7 @@ _PEFT_PLAIN = {
 
 
 def check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
-    """Refuse a PEFT config that turns on what ``LoRALinear`` does not compute (DoRA, aLoRA, a LoRA bias...)."""
+    """Refuse a PEFT config that turns on what ``LoRALinear`` does not compute (DoRA, a LoRA bias, ...)."""
     found = {k: file_config[k] for k, plain in _PEFT_PLAIN.items() if file_config.get(k) and file_config[k] != plain}
     if found:
         raise ValueError(
@@ -142,9 +125,7 @@ def check_plain_lora(file_config: dict[str, Any], config_path: Path) -> None:
 
 
 def peft_rank_alpha(file_config: dict[str, Any], name: str) -> tuple[Any, Any, str]:
-    """``(r, lora_alpha, where from)`` that PEFT gives module ``name``: the file's ``r`` / ``lora_alpha``, unless a
-    ``rank_pattern`` / ``alpha_pattern`` key matches the end of its path (the first that does, as PEFT's
-    ``get_pattern_key``)."""
+    """``(r, lora_alpha, where from)`` that PEFT gives module ``name``, patterns matched as in ``get_pattern_key``."""
     r, alpha, source = file_config.get("r"), file_config.get("lora_alpha"), ""
     for field in ("rank_pattern", "alpha_pattern"):
         pattern = file_config.get(field) or {}
@@ -159,17 +140,12 @@ _KEY = re.compile(r"^base_model\.model\.(?:(.*)\.)?lora_A(?:\.default)?\.weight$
 
 
 def module_names(keys: Iterable[str]) -> list[str]:
-    """The module paths an adapter file's tensor keys name (``base_model.model.<path>.lora_A.weight``, or
-    ``...lora_A.default.weight`` as PEFT keeps them in memory; ``""`` for a bare layer), in the file's order."""
+    """The module paths an adapter file's ``lora_A`` keys name, in order (``""`` for a bare layer)."""
     return [m.group(1) or "" for k in keys if (m := _KEY.match(k))]
 
 
 def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Path, **fields: Any) -> list[LoRAConfig]:
-    """The ``LoRAConfig``s that rebuild the adapters of ``file_config`` on the modules ``names``: one per distinct
-    ``(r, lora_alpha)`` PEFT gives them (``peft_rank_alpha``: ``rank_pattern`` / ``alpha_pattern`` included), first
-    seen first, each targeting its modules by their full paths, with the file's ``use_rslora`` and
-    ``lora_dropout``; ``fields`` set the others (e.g. ``lora_dtype``). ``ValueError`` naming ``config_path`` for a
-    module without a valid ``r`` or ``lora_alpha``."""
+    """One ``LoRAConfig`` per distinct ``(r, lora_alpha)`` that ``file_config`` gives the modules ``names``."""
     groups: dict[tuple[Any, Any], list[str]] = {}
     for name in names:
         r, alpha, source = peft_rank_alpha(file_config, name)
@@ -186,9 +162,7 @@ def lora_configs(file_config: dict[str, Any], names: list[str], config_path: Pat
 
 
 def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Path) -> dict[str, Any] | None:
-    """Verify the sha256 that ``save_adapter`` recorded in the header of the tensors file ``blob`` (read from
-    ``weights_path``; ``tensors``: its contents), and return the record: ``"config"`` (the scale fields) and, in files
-    that have it, ``"base"`` (the base's fingerprint); ``None`` for a file without the record (PEFT's)."""
+    """Verify the tensors' recorded sha256 and return the record (``"config"``, maybe ``"base"``), or None (PEFT's)."""
     try:
         metadata = _header(blob).get("__metadata__") or {}
     except ValueError as e:
@@ -212,8 +186,7 @@ def read_record(blob: bytes, tensors: dict[str, torch.Tensor], weights_path: Pat
 
 
 def check_saved_with(saved: dict[str, Any], file_config: dict, names: list[str], config_path: Path) -> None:
-    """Refuse ``file_config`` unless it gives each module in ``names`` the ``r`` / ``lora_alpha`` / ``use_rslora``
-    of ``saved``, the config the tensors were written with (edits that change no module's scale pass)."""
+    """Refuse ``file_config`` unless it gives every module the scale fields of ``saved``, the tensors' own config."""
     for name in names:
         then = (*peft_rank_alpha(saved, name)[:2], bool(saved.get("use_rslora")))
         now = (*peft_rank_alpha(file_config, name)[:2], bool(file_config.get("use_rslora")))
@@ -231,7 +204,6 @@ def adapter_files(path: str | os.PathLike, what: str) -> tuple[Path, Path]:
     weights_path, config_path = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
     for p in (weights_path, config_path):
         if not p.is_file():
-            # Where the directory swap is two renames, a crash between them leaves the previous one beside it.
             left = sorted(folder.parent.glob(f".{folder.name}.old-*")) if not folder.exists() else []
             note = f" (an interrupted save_adapter left the previous adapter at {left[-1]})" if left else ""
             raise ValueError(f"{what}: {p} does not exist{note}")
@@ -253,13 +225,10 @@ def read_adapter_config(config_path: Path, what: str) -> dict[str, Any]:
 
 
 def adapter_configs(path: str | os.PathLike, **fields: Any) -> list[LoRAConfig]:
-    """The ``LoRAConfig``s that rebuild the adapters saved in the directory ``path`` (by ``save_adapter`` or PEFT):
-    one per distinct ``(r, lora_alpha)`` among its modules (``rank_pattern`` / ``alpha_pattern`` included), each
-    targeting its modules by their full paths; call ``apply_lora`` with each in turn (``from_pretrained`` takes the
-    list), then ``load_adapter``. ``fields`` set the other ``LoRAConfig`` fields (e.g. ``lora_dtype``).
+    """The ``LoRAConfig``s that rebuild the adapter in ``path``: one per distinct ``(r, lora_alpha)``, by full paths.
 
-    Reads the config and the tensors file's header only. Raises ``ValueError`` naming the file for a missing or
-    unreadable file, a config that is not plain LoRA, or a module without ``r`` / ``lora_alpha``.
+    Apply each with ``apply_lora`` (``from_pretrained`` takes the list), then ``load_adapter``. ``fields`` set the
+    other fields (e.g. ``lora_dtype``). Reads headers only; raises ``ValueError`` naming the file.
     """
     from safetensors import SafetensorError, safe_open
 

@@ -15,12 +15,9 @@ INIT_A_CHOICES = ("kaiming", "xavier", "gaussian")
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Hyper-parameters of a LoRA adapter.
+    """Hyper-parameters of a LoRA adapter: ``ValueError`` naming a field out of range; frozen once built.
 
-    Raises ``ValueError`` on construction when a field is out of range, naming the field and value. Frozen
-    afterwards (assigning a field raises ``dataclasses.FrozenInstanceError``): layers built from a config keep
-    using it, so a late change would skip validation or silently change their scale. Build a new one with
-    ``dataclasses.replace(config, r=16)``, which validates again.
+    Change one with ``dataclasses.replace(config, r=16)``, which validates again.
     """
 
     r: int = 8

@@ -1,17 +1,4 @@
-"""Hugging Face transformers causal LMs with tensor-parallel LoRA: the model's own TP plan, sharded loading.
-
-transformers models declare how they split over tensor-parallel ranks (``config.base_model_tp_plan``, merged with
-the head's ``_tp_plan`` into ``model.tp_plan``)::
-
-    {"model.layers.*.self_attn.q_proj": "colwise", ..., "model.layers.*.mlp.down_proj": "rowwise",
-     "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise_gather_output"}
-
-``parallelize`` maps each value onto the torch style with the same layouts, and ``lora_plan`` puts
-``ColwiseParallelLoRA`` / ``RowwiseParallelLoRA`` on the linears ``apply_lora`` adapted (the others keep the
-torch style), applied to each decoder layer with ``parallelize_module``. ``from_pretrained`` builds the model on
-the meta device, adapts, parallelizes, materializes and reads each rank's shards from the safetensors files
-(``parallel_lora.hf._loading``). Every check runs before a weight is read. transformers is imported only here.
-"""
+"""transformers causal LMs with tensor-parallel LoRA, split by their own TP plan (docs/transformers.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +33,7 @@ CONFIG_FILE = "config.json"
 # Any one of these makes a tokenizer AutoTokenizer can load (fast, SentencePiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
-# transformers' plan values (transformers.distributed.tensor_parallel registers these names) -> the torch style
-# with the same layouts. An input/output "rep" or "gather_output" is a Replicate() layout on that side.
+# transformers' plan values -> the torch style with the same layouts (the table in docs/transformers.md).
 _TORCH_STYLES = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
@@ -55,13 +41,10 @@ _TORCH_STYLES = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # Vocabulary-parallel embedding: each rank looks up its rows, one all-reduce sums the lookups.
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # Hidden-parallel embedding: each rank looks up its columns, one all-gather joins them.
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
 }
-# Whole on every rank. transformers all-reduces their gradients (Qwen3's per-head q_norm / k_norm see only this
-# rank's heads); a frozen base has no gradient to reduce, so leaving them as they are is exact.
+# Kept whole: a frozen base has no gradient for transformers' all-reduce to sum.
 _REPLICATED = ("replicate", "replicated_with_grad_allreduce")
 SUPPORTED_STYLES = (*_TORCH_STYLES, *_REPLICATED)
 
@@ -85,22 +68,17 @@ def _arch(config: Any) -> str:
 
 @dataclass(frozen=True)
 class CheckedCheckpoint:
-    """What ``check_checkpoint`` read from a checkpoint directory; ``from_pretrained`` takes it for the path and
-    reads neither again."""
+    """What ``check_checkpoint`` read; ``from_pretrained`` takes it in place of the path and reads neither again."""
 
     path: Path
-    config: Any  # the transformers config (``config.json``)
-    files: dict[str, Path]  # tensor key -> its safetensors file (``hf_loading.checkpoint_files``)
-    tp: int  # the tensor-parallel size it was checked for
+    config: Any
+    files: dict[str, Path]  # tensor key -> its safetensors file
+    tp: int
 
 
 def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool = True) -> CheckedCheckpoint:
-    """Check a local checkpoint directory for loading at tensor-parallel size ``tp``; return its config and files.
-
-    Reads ``config.json`` and the safetensors headers only. Raises ``ValueError`` naming the problem: a missing
-    directory, ``config.json``, tokenizer (when ``require_tokenizer``) or safetensors weights, and what
-    ``check_tp`` refuses.
-    """
+    """Check a local checkpoint directory for loading at TP size ``tp``, reading headers only; ``ValueError`` names
+    what is missing or what ``check_tp`` refuses."""
     folder = Path(path)
     if not folder.is_dir():
         what = "is not a directory" if folder.exists() else "does not exist"
@@ -121,8 +99,7 @@ def check_checkpoint(path: str | Path, tp: int = 1, *, require_tokenizer: bool =
 
 
 def check_tp(config: Any, tp: int) -> None:
-    """Raise ``ValueError`` unless a model of ``config`` splits over ``tp`` ranks: it declares a plan
-    (``base_model_tp_plan``) whose values this module honours, and its heads and key/value heads divide by ``tp``."""
+    """Raise ``ValueError`` unless ``config`` declares a plan this module honours and its heads divide by ``tp``."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
     if tp == 1:
@@ -171,8 +148,7 @@ def _resolve(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def _split_layer(name: str) -> tuple[str, str]:
-    """``model.layers.3.self_attn.q_proj`` -> (``model.layers.3``, ``self_attn.q_proj``); a module outside the
-    layer stack (``lm_head``) -> (``""``, its name)."""
+    """``model.layers.3.mlp.up_proj`` -> (``model.layers.3``, ``mlp.up_proj``); ``lm_head`` -> (``""``, ``lm_head``)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -181,8 +157,7 @@ def _split_layer(name: str) -> tuple[str, str]:
 
 
 def _check_modules(model: nn.Module, entries: list[tuple[str, str]], tp: int) -> None:
-    """Every sharded linear of a decoder layer must split evenly (whole heads, whole MLP columns); the LoRA
-    layers need it too. Replicated entries must hold no trainable parameter (their gradients would be partial)."""
+    """Refuse a decoder linear that does not split evenly, or a replicated entry with trainable parameters."""
     for name, value in entries:
         module = model.get_submodule(name)
         if value in _REPLICATED:
@@ -224,12 +199,9 @@ def _retie(model: nn.Module, pairs: list[tuple[str, str]]) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Split ``model`` (after ``apply_lora``; on the meta device or materialized) over the 1-D ``mesh`` by the
-    model's own plan, in place: ``lora_plan`` of the mapped torch styles, applied to each decoder layer (and to the
-    embedding and output head) with ``parallelize_module``. Tied parameters stay tied. Returns the model.
+    """Split ``model`` (after ``apply_lora``, meta or materialized) over the 1-D ``mesh`` by its own plan, in place.
 
-    Raises ``ValueError`` for a model without a plan at ``mesh.size() > 1``, a value it cannot honour (named with its
-    entry), or a sharded linear that does not divide by the mesh size.
+    Raises ``ValueError`` for a missing plan, a value it cannot honour, or a linear that does not divide.
     """
     from ..tp.styles import lora_plan
 
@@ -273,20 +245,11 @@ def from_pretrained(
     require_tokenizer: bool = True,
     verbose: bool = False,
 ) -> nn.Module:
-    """A transformers causal LM from the checkpoint directory ``path`` (or what ``check_checkpoint`` returned for it),
-    with LoRA adapters, split over ``mesh``.
+    """A transformers causal LM from checkpoint ``path`` with LoRA adapters, split over ``mesh``, in eval mode.
 
-    ``mesh``: the tensor-parallel mesh (1-D, or a mesh with a ``"tp"`` dim, e.g. a ``(dp, tp)`` one), or ``None``
-    for one device; at one rank the layers stay single-device ``LoRALinear``s. The base is ``dtype`` (bf16 by
-    default) and frozen; the adapters are ``lora_config``'s (``lora_dtype=torch.float32`` for fp32 masters; a list
-    of configs is applied in turn, as ``apply_lora`` called once per config, e.g. ``peft_format.adapter_configs``'
-    for a saved adapter of several ranks), A drawn
-    from its global shape by a generator seeded with ``seed`` (the same at every TP size and on every data-parallel
-    replica), B zeros. Each rank reads only its own shards of the weights (``model.load_report``: the bytes it
-    read). Returns the model in eval mode.
-
-    Raises ``ValueError`` (before reading any weight) for what ``check_checkpoint`` and ``parallelize`` refuse and
-    for checkpoint tensors missing or of the wrong shape.
+    Args: ``lora_config`` (one, or a list applied in turn), ``mesh`` (1-D, or with a ``"tp"`` dim; None: one
+    device), ``dtype`` (the frozen base's), ``seed`` (A's generator). Each rank reads only its own shards. Raises
+    ``ValueError`` before reading any weight for a checkpoint that does not fit.
     """
     transformers = _transformers()
     mesh = _tp_mesh(mesh)
@@ -299,7 +262,7 @@ def from_pretrained(
         model = transformers.AutoModelForCausalLM.from_config(checked.config, dtype=dtype)
     for one in [lora_config] if isinstance(lora_config, LoRAConfig) else lora_config:
         apply_lora(model, one, verbose=verbose)
-    if tp > 1:  # at tp = 1 the layers stay single-device LoRALinears: nothing to split, no plan needed
+    if tp > 1:
         parallelize(model, mesh)
     load_plan = plan_load(model, checked.files)  # every key and shape checked, still nothing read
 

@@ -1,14 +1,4 @@
-"""Sharded loading of a Hugging Face checkpoint's safetensors into a model built on the meta device.
-
-Each rank reads only its own part of every tensor: ``safe_open(file).get_slice(key)[slices]``, where ``slices`` is
-what the parameter's DTensor placements give this rank (``Shard(d)`` splits dim ``d`` like ``torch.chunk``,
-``Replicate()`` takes it whole), one tensor at a time, copied into the parameter's local storage (cast to its
-dtype). So a rank holds its own shards (on its device) plus one slice in flight (on the host), never the whole
-model.
-
-Files: ``model.safetensors``, or the shards that ``model.safetensors.index.json`` lists (``weight_map``). Every
-key, file and shape is checked from the files' headers before any tensor is read.
-"""
+"""Sharded loading of a checkpoint's safetensors: each rank reads only its own slice of each tensor."""
 
 from __future__ import annotations
 
@@ -26,10 +16,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
-    """``{tensor key: safetensors file}`` of the checkpoint directory ``path`` (headers only, no tensor read).
-
-    Raises ``ValueError`` when there is no safetensors file, the index is unreadable or names a missing file.
-    """
+    """``{tensor key: safetensors file}`` of checkpoint directory ``path``, from headers; ``ValueError`` if none."""
     from safetensors import safe_open
 
     folder = Path(path)
@@ -56,11 +43,9 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 
 
 def local_slices(shape: torch.Size, param: torch.Tensor) -> tuple[slice, ...]:
-    """The index of this rank's part of a global tensor of ``shape`` held as ``param``: everything for a plain
-    tensor; for a DTensor, each mesh dim's ``Shard(d)`` narrows dim ``d`` to this rank's ``torch.chunk`` piece.
+    """The index of this rank's ``torch.chunk`` piece of a global tensor of ``shape`` held as ``param``.
 
-    Raises ``ValueError`` for any other placement (FSDP2's ``_StridedShard``, ``Partial``): load the weights
-    before ``fully_shard``.
+    Raises ``ValueError`` for placements other than ``Shard(d)`` and ``Replicate()`` (load before ``fully_shard``).
     """
     bounds = [(0, n) for n in shape]
     if not isinstance(param, DTensor):
@@ -77,7 +62,7 @@ def local_slices(shape: torch.Size, param: torch.Tensor) -> tuple[slice, ...]:
             )
         dim = placement.dim % len(shape)
         lo, hi = bounds[dim]
-        chunk = -(-(hi - lo) // mesh.size(mesh_dim))  # torch.chunk's size: the last pieces may be short or empty
+        chunk = -(-(hi - lo) // mesh.size(mesh_dim))  # torch.chunk's: the last pieces may be short or empty
         start = min(lo + coordinate[mesh_dim] * chunk, hi)
         bounds[dim] = (start, min(start + chunk, hi))
     return tuple(slice(lo, hi) for lo, hi in bounds)
@@ -85,9 +70,7 @@ def local_slices(shape: torch.Size, param: torch.Tensor) -> tuple[slice, ...]:
 
 @dataclass
 class LoadReport:
-    """What one rank read: ``bytes_read`` (the slices, in the files' dtypes) against ``checkpoint_bytes`` (every
-    tensor it loaded, whole); ``max_slice_bytes`` the largest slice, the only one held beyond the model's own
-    shards; ``keys`` the checkpoint keys it loaded."""
+    """What one rank read: its slices' bytes, the whole tensors' bytes, the largest slice, the keys."""
 
     bytes_read: int = 0
     checkpoint_bytes: int = 0
@@ -96,7 +79,7 @@ class LoadReport:
 
 
 def _state_tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
-    """Every parameter and persistent buffer once, with all the names it has (tied weights have several)."""
+    """Every parameter and persistent buffer once, with all its names (tied weights have several)."""
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -112,12 +95,7 @@ def _state_tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]
 
 
 def plan_load(model: nn.Module, files: dict[str, Path], skip: tuple[str, ...] = ("lora_A.", "lora_B.")) -> list:
-    """``[(key, file, name)]`` for every model tensor but the adapters (names containing one of ``skip``): its
-    checkpoint key, file and model name, checked against the file's shape, reading headers only. By name, since
-    ``to_empty`` replaces the meta tensors.
-
-    Raises ``ValueError`` naming the tensors the checkpoint lacks or whose shapes differ.
-    """
+    """``[(key, file, name)]`` of every model tensor but ``skip``'s, shapes checked from headers (``ValueError``)."""
     from safetensors import safe_open
 
     plan, missing, wrong = [], [], []
@@ -146,10 +124,7 @@ def plan_load(model: nn.Module, files: dict[str, Path], skip: tuple[str, ...] = 
 
 
 def load_sharded(model: nn.Module, plan: list) -> LoadReport:
-    """Copy each rank's part of every tensor of ``plan`` (``plan_load``'s) from the files into ``model``.
-
-    The model must be materialized (``to_empty``). Reads one slice at a time; no communication.
-    """
+    """Copy this rank's part of every tensor of ``plan`` into the materialized ``model``, one slice at a time."""
     from safetensors import safe_open
 
     report = LoadReport()
@@ -168,7 +143,7 @@ def load_sharded(model: nn.Module, plan: list) -> LoadReport:
                 if piece.shape != local.shape:
                     raise RuntimeError(f"'{key}': read a slice of shape {tuple(piece.shape)} for a local shard of "
                                        f"shape {tuple(local.shape)} ({getattr(tensor, 'placements', None)})")
-                local.copy_(piece)  # to the parameter's device and dtype
+                local.copy_(piece)
                 nbytes = piece.numel() * piece.element_size()
                 report.bytes_read += nbytes
                 report.max_slice_bytes = max(report.max_slice_bytes, nbytes)
@@ -186,9 +161,10 @@ def _get(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def init_non_persistent_buffers(model: nn.Module) -> None:
-    """Recompute the buffers a checkpoint does not hold (RoPE's ``inv_freq``, ...) after ``to_empty``, by the
-    model's own ``_init_weights`` on each module that owns one, as transformers' loading does. Call it before
-    loading the weights: ``_init_weights`` may also draw the module's parameters."""
+    """Recompute non-persistent buffers (RoPE's ``inv_freq``) after ``to_empty`` by the model's ``_init_weights``.
+
+    Call it before loading the weights, which ``_init_weights`` may also draw.
+    """
     for module in model.modules():
         if any(b in module._non_persistent_buffers_set for b, v in module._buffers.items() if v is not None):
             model._init_weights(module)

@@ -1,27 +1,4 @@
-"""Collectives of the tensor-parallel layers, on plain local tensors.
-
-Each collective runs in the dtype of the tensor it is given; the layers hand them tensors already in the
-base output dtype (bf16 stays bf16 on the wire) and fp32 master-adapter gradients in fp32.
-
-A layer's activation communication is two small objects that ``LoRAFunction`` calls inside its own
-forward and backward, so the LoRA path and the base share each collective and add no autograd node:
-
-| object                | where                  | forward               | backward                 |
-|-----------------------|------------------------|-----------------------|--------------------------|
-| ``ReplicatedInput``   | column input           | identity              | all-reduce of dx         |
-| ``SequenceGather``    | column input, SP       | all-gather(seq dim)   | reduce-scatter of dx     |
-| ``ReducedOutput``     | row output             | all-reduce            | identity                 |
-| ``ReduceScatterOutput`` | row output, SP       | reduce-scatter(seq)   | all-gather of dy         |
-
-``input_comm`` / ``output_comm`` apply the same objects as autograd nodes of their own, for the base-only
-paths (merged or disabled adapters). ``adapter_shards`` turns the two adapter DTensor parameters into
-local tensors in one node whose backward all-reduces the replicated factor's gradient once (or, under ``no_sync``,
-leaves it to ``DeferredGradReduction``'s hook) and hands autograd DTensor gradients.
-
-Under torch.compile every collective is a functional collective (``_c10d_functional``), which Dynamo traces into
-the graph; eager calls keep in-place c10d all-reduces (host time, ``all_reduce``). The same collectives run either
-way, in the same places.
-"""
+"""Collectives of the tensor-parallel layers on local tensors (docs/tensor_parallel.md counts them per phase)."""
 
 from __future__ import annotations
 
@@ -37,11 +14,7 @@ from torch.library import custom_op
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum ``t`` over ``group``, in place when ``t`` is contiguous (every caller hands over a tensor it owns:
-    a kernel's output or a gradient). In-place c10d skips the functional collective's output copy and its
-    ``AsyncCollectiveTensor`` wrapper, which cost more host time than the collective's launch; the current
-    stream waits for it, the host does not. Under torch.compile: the functional all-reduce (a new tensor), which
-    traces. A one-rank group sums nothing."""
+    """Sum ``t`` over ``group``: in place when contiguous (callers own ``t``), functional under torch.compile."""
     if group.size() == 1:
         return t
     if torch.compiler.is_compiling():
@@ -54,7 +27,7 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def all_gather(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     if group.size() == 1:
         return t
-    # all_gather_tensor is deprecated (FutureWarning) in newer torch in favour of all_gather_single: same op.
+    # all_gather_tensor is deprecated in newer torch in favour of all_gather_single, the same op.
     ag = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     return funcol.wait_tensor(ag(t.contiguous(), dim, group))
 
@@ -66,10 +39,8 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
     return funcol.wait_tensor(rs(t.contiguous(), "sum", dim, group))
 
 
-# ------------------------------------------------------------------------------------ activation layouts
 class ReplicatedInput:
-    """A column-parallel layer's replicated input: every rank has the full ``x``; ``dx`` is the sum of the
-    ranks' partial input gradients (base and LoRA terms together), one all-reduce."""
+    """Column input. Forward: identity; backward: all-reduce ``dx`` (base and LoRA together)."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
@@ -85,9 +56,7 @@ class ReplicatedInput:
 
 
 class SequenceGather:
-    """A column-parallel layer's sequence-parallel input: ``x`` is this rank's sequence shard, gathered once
-    for base and LoRA together; ``dx`` is reduce-scattered back. ``LoRAFunction`` saves only the
-    shard and gathers it again in backward (W is frozen, so only ``dA`` needs the full ``x``)."""
+    """Column input under SP. Forward: all-gather ``x`` along ``dim``; backward: reduce-scatter ``dx``."""
 
     def __init__(self, dim: int, group: ProcessGroup) -> None:
         self.dim, self.group = dim, group
@@ -96,10 +65,7 @@ class SequenceGather:
         return all_gather(x_local, self.dim, self.group)
 
     def regather(self, x_local: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        """``gather`` again in backward (``dy``: the backward's incoming gradient). Compiled, of
-        ``parallel_lora::after_grad(x_local, dy)``: a gather of ``x_local`` alone would be merged into the forward's
-        by AOTAutograd (common subexpressions), or run in the forward with its output saved (its partitioner
-        keeps collectives out of backward unless they need a gradient), and the full x would be held."""
+        """``gather`` again in backward, after ``dy`` exists when compiled (docs/tensor_parallel.md)."""
         if torch.compiler.is_compiling():
             x_local = torch.ops.parallel_lora.after_grad(x_local, dy)
         return all_gather(x_local, self.dim, self.group)
@@ -120,8 +86,7 @@ def _(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 class ReducedOutput:
-    """A row-parallel layer's output: the ranks' partials (base and LoRA together) summed by one all-reduce;
-    the full ``dy`` is already on every rank."""
+    """Row output. Forward: all-reduce the partial (base and LoRA together); backward: identity."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
@@ -134,8 +99,7 @@ class ReducedOutput:
 
 
 class ReduceScatterOutput:
-    """A row-parallel layer's sequence-parallel output: partials summed and scattered along the sequence
-    dim (one reduce-scatter); backward all-gathers ``dy``."""
+    """Row output under SP. Forward: reduce-scatter the partial along ``dim``; backward: all-gather ``dy``."""
 
     def __init__(self, dim: int, group: ProcessGroup) -> None:
         self.dim, self.group = dim, group
@@ -181,22 +145,17 @@ def output_comm(partial: torch.Tensor, comm: ReducedOutput | ReduceScatterOutput
     return _OutputComm.apply(partial, comm)
 
 
-# ----------------------------------------------------------------------------------------- adapter shards
 class _AdapterShards(torch.autograd.Function):
-    """``(A, B)`` DTensor parameters -> their local tensors, eagerly. Backward: the replicated factor's gradient
-    is a Partial sum over TP ranks, all-reduced here once when ``reduce`` (else left local: ``no_sync``); both
-    gradients go back as DTensors with their parameter's placements."""
+    """Forward: local tensors of ``(A, B)``; backward: all-reduce the replicated factor's grad, return DTensors."""
 
     @staticmethod
     def forward(ctx, lora_A, lora_B, replicated, group, reduce):
         ctx.set_materialize_grads(False)
         ctx.params, ctx.replicated, ctx.group, ctx.reduce = (lora_A, lora_B), replicated, group, reduce
-        # Grad mode is off in here, so to_local() is the local tensor itself; views give autograd fresh
-        # tensor objects to attach its metadata to.
+        # Grad mode is off here, so to_local() is the local tensor itself: views give autograd fresh objects.
         a, b = lora_A.to_local(), lora_B.to_local()
         a, b = a.view_as(a), b.view_as(b)
-        # A Function's outputs all require grad by default: a frozen factor (e.g. A in LoRA-FA) would then
-        # have its gradient computed and, replicated, all-reduced, only for autograd to drop it.
+        # Otherwise a frozen factor's gradient would be computed (and all-reduced) only to be dropped.
         frozen = [t for t, p in ((a, lora_A), (b, lora_B)) if not p.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -213,8 +172,7 @@ class _AdapterShards(torch.autograd.Function):
 
 
 class _ReduceGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group`` (the compiled form of ``_AdapterShards``'
-    reduction: ``DTensor.to_local`` traces, and its backward builds the DTensor gradient in the graph)."""
+    """Forward: identity; backward: all-reduce (``_AdapterShards``' reduction under torch.compile)."""
 
     @staticmethod
     def forward(ctx, t, group):
@@ -227,12 +185,7 @@ class _ReduceGrad(torch.autograd.Function):
 
 
 def param_grad(grad: torch.Tensor, param: DTensor) -> DTensor:
-    """The local gradient ``grad`` of DTensor ``param`` as a DTensor with the parameter's placements.
-
-    Where the local layouts agree (shape, stride, dtype: the kernels' fresh contiguous gradients), it is built
-    on the parameter's own spec, as DTensor's ``to_local`` backward builds its gradients; ``from_local``
-    derives a new spec instead, twice per backward on autograd's device thread, about half again the host time
-    of the whole TP layer's fwd+bwd. Any other layout goes through ``from_local``."""
+    """``grad`` as a DTensor like ``param``, on its spec where local layouts agree (``from_local`` costs host time)."""
     local = param._local_tensor
     if grad.shape == local.shape and grad.stride() == local.stride() and grad.dtype == local.dtype:
         return DTensor(grad, param._spec, requires_grad=False)
@@ -242,11 +195,7 @@ def param_grad(grad: torch.Tensor, param: DTensor) -> DTensor:
 def adapter_shards(
     lora_A: torch.nn.Parameter, lora_B: torch.nn.Parameter, replicated: str, group: ProcessGroup, reduce: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local tensors of the adapter DTensors (their own dtype); ``replicated`` names the factor every rank
-    holds whole (``"lora_A"`` or ``"lora_B"``), whose gradient is all-reduced in backward when ``reduce``.
-
-    Eager: one autograd node (``_AdapterShards``) that builds the DTensor gradients on the parameters' own specs.
-    Under torch.compile: ``to_local()`` of each, the replicated one through ``_ReduceGrad``, all traced."""
+    """Local tensors of the adapter DTensors; backward all-reduces the ``replicated`` factor's grad if ``reduce``."""
     index = ("lora_A", "lora_B").index(replicated)
     if not torch.compiler.is_compiling():
         return _AdapterShards.apply(lora_A, lora_B, index, group, reduce)
@@ -257,25 +206,16 @@ def adapter_shards(
 
 
 class DeferredGradReduction:
-    """``no_sync`` for one layer's replicated factor: its gradient all-reduce runs once per optimizer step.
-
-    A call under ``no_sync`` leaves its local partial sum in ``.grad``. The first synced call after such calls does
-    not reduce in its backward either: a hook on the parameter reduces everything autograd has accumulated in
-    ``.grad`` (the micro-steps' partial sums and its own) once, after the accumulation, in the autograd engine,
-    outside any compiled graph (``reduce_accumulated_grad``). Every other call reduces in its own backward. Decided
-    in the forward from plain attributes, so a compiled forward decides alike (Dynamo guards on them). Every
-    micro-step's backward must have run before the synced step's forward.
-    """
+    """``no_sync`` for one layer's replicated factor: after ``no_sync`` calls, the synced call's gradient is
+    all-reduced once, by a hook after accumulation, instead of in its backward."""
 
     def __init__(self) -> None:
         self.unreduced = False  # .grad holds (or its pending backwards will add) unreduced partial sums
         self.reduce_on_accumulate = False  # the hook reduces .grad at the next accumulation
-        self._hooked: weakref.ref | None = None  # the parameter the hook is on
+        self._hooked: weakref.ref | None = None
 
     def reduces_in_graph(self, param: torch.nn.Parameter, sync: bool, group: ProcessGroup) -> bool:
-        """Whether this forward call's backward all-reduces ``param``'s gradient itself (``sync``: not in
-        ``no_sync``). A call that makes no gradient for it (no_grad, as a reentrant checkpoint's first pass; a
-        frozen factor) changes nothing."""
+        """Whether this call's backward all-reduces ``param``'s gradient itself (``sync``: not under ``no_sync``)."""
         if not (param.requires_grad and torch.is_grad_enabled()):
             return True
         if not sync:
@@ -289,8 +229,7 @@ class DeferredGradReduction:
         return True
 
     def hook(self, param: torch.nn.Parameter, group: ProcessGroup) -> None:
-        """Put the deferred reduction's hook on ``param``, once per parameter object (deep copies and ``to_empty``
-        bring new ones)."""
+        """Put the deferred reduction's hook on ``param``, once per parameter object."""
         if self._hooked is not None and self._hooked() is param:
             return
         param.register_post_accumulate_grad_hook(functools.partial(_reduce_deferred, weakref.ref(self), group))
@@ -306,8 +245,7 @@ def _reduce_deferred(state_ref: weakref.ref, group: ProcessGroup, param: torch.n
 
 
 def reduce_accumulated_grad(param: torch.nn.Parameter, group: ProcessGroup) -> None:
-    """Sum ``param.grad`` (a DTensor, or a plain tensor) over ``group`` in place, once: the local partial sums that
-    ``no_sync`` micro-steps and the synced backward accumulated there, reduced after the accumulation."""
+    """Sum ``param.grad`` (a DTensor or a plain tensor) over ``group``, in place."""
     grad = param.grad
     if grad is None:
         return

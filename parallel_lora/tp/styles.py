@@ -1,10 +1,4 @@
-"""``ParallelStyle``s that turn ``LoRALinear``s into the tensor-parallel LoRA layers.
-
-Use them in ``torch.distributed.tensor.parallel.parallelize_module`` plans like torch's
-``ColwiseParallel``/``RowwiseParallel``; ``lora_plan`` maps an existing torch plan onto them.
-``parallelize_module`` ignores what a style returns for a submodule, so ``_apply`` converts the module
-in place (``ColumnParallelLoRALinear.from_lora_linear``) and installs I/O hooks, nothing else.
-"""
+"""``ParallelStyle``s that turn ``LoRALinear``s into the tensor-parallel LoRA layers, in place."""
 
 from __future__ import annotations
 
@@ -35,15 +29,13 @@ class _LoRAStyle(ParallelStyle):
         self.use_local_output, self.fallback = use_local_output, fallback
 
     def _input_placement(self) -> Placement:
-        """What the layer consumes."""
         raise NotImplementedError
 
     def _output_placement(self) -> Placement:
-        """What the layer produces."""
         raise NotImplementedError
 
     def _given_input_placement(self) -> Placement:
-        """What a plain-tensor input is (the caller's layout); the hook turns it into ``_input_placement``."""
+        """The caller's layout of a plain-tensor input; the hook turns it into ``_input_placement``."""
         return self._input_placement()
 
     def _wanted_output_placement(self) -> Placement:
@@ -69,8 +61,7 @@ class _LoRAStyle(ParallelStyle):
             if not isinstance(x, DTensor) and given_in != want_in:
                 x = DTensor.from_local(x, device_mesh, [given_in], run_check=False)
             if isinstance(x, DTensor):
-                # DTensor activations from other styles (e.g. SequenceParallel norms), or a replicated input
-                # of a row layer: this rank's part (a slice, no communication, for Replicate -> Shard).
+                # Replicate -> Shard is a slice, no communication.
                 x = x.redistribute(device_mesh, [want_in]).to_local()
             return (x, *rest)
 
@@ -78,7 +69,6 @@ class _LoRAStyle(ParallelStyle):
         if not self.use_local_output or want_out != out_placement:
 
             def to_wanted_output(_module: nn.Module, _args: Any, out: Any) -> Any:
-                # The gather of a column layer's output is the layout the plan asked for, not a LoRA collective.
                 out = DTensor.from_local(out, device_mesh, [out_placement], run_check=False)
                 out = out.redistribute(device_mesh, [want_out])
                 return out.to_local() if self.use_local_output else out
@@ -97,24 +87,11 @@ class _LoRAStyle(ParallelStyle):
 
 
 class ColwiseParallelLoRA(_LoRAStyle):
-    """Column-parallel LoRA: input replicated (sequence-sharded with ``sequence_parallel``), output sharded
-    on the last dim. The stored ``[out, in]`` weight is ``Shard(0)`` so each rank owns ``out/tp`` rows.
+    """Column-parallel LoRA style (run ``apply_lora`` first): input replicated, output ``Shard(-1)``.
 
-    Keyword Args:
-        sequence_parallel: the input is sharded along ``sequence_dim``; the layer gathers it once.
-        sequence_dim: the sequence dimension of the input (torch's ``SequenceParallel`` default, 1).
-        gather_output: all-gather the output along its last dim, so every rank gets it whole (Megatron's
-            ``gather_output``; torch's ``output_layouts=Replicate()``). Default: each rank keeps its ``out/tp``.
-        use_local_output: return a plain local tensor (default) rather than a DTensor (``Shard(-1)``, or
-            ``Replicate()`` with ``gather_output``).
-        fallback: a style applied instead to modules that are not ``LoRALinear`` (``lora_plan`` passes the
-            torch style it replaced, so un-adapted linears keep torch's behaviour).
-
-    Example::
-
-        parallelize_module(model, tp_mesh, {"attn.q_proj": ColwiseParallelLoRA(), "attn.o_proj": RowwiseParallelLoRA()})
-
-    .. note:: apply ``apply_lora`` first: the style converts ``LoRALinear`` modules in place.
+    Keyword Args: ``sequence_parallel`` (input sharded along ``sequence_dim``, default 1), ``gather_output``
+    (all-gather the output), ``use_local_output`` (plain tensors out, default), ``fallback`` (the style for modules
+    that are not ``LoRALinear``).
     """
 
     layer_cls = ColumnParallelLoRALinear
@@ -137,14 +114,10 @@ class ColwiseParallelLoRA(_LoRAStyle):
 
 
 class RowwiseParallelLoRA(_LoRAStyle):
-    """Row-parallel LoRA: input sharded on the last dim, output replicated (sequence-sharded with
-    ``sequence_parallel``). The stored ``[out, in]`` weight is ``Shard(1)``.
+    """Row-parallel LoRA: input ``Shard(-1)``, output replicated (reduce-scattered under ``sequence_parallel``).
 
-    Keyword Args: as ``ColwiseParallelLoRA`` (no ``gather_output``); with ``sequence_parallel`` the output is
-    reduce-scattered along ``sequence_dim``. And:
-        input_is_parallel: the input is this rank's ``in/tp`` slice (default). ``False``: every rank passes the
-            whole input and keeps its slice (Megatron's ``input_is_parallel``; torch's
-            ``input_layouts=Replicate()``).
+    Keyword Args: as ``ColwiseParallelLoRA`` but ``input_is_parallel`` (default True) for ``gather_output``; False:
+    every rank passes the whole input and keeps its slice.
     """
 
     layer_cls = RowParallelLoRALinear
@@ -167,8 +140,7 @@ class RowwiseParallelLoRA(_LoRAStyle):
 
 
 class _KeepRequiresGrad(ParallelStyle):
-    """Apply a torch style, then restore each parameter's ``requires_grad``: torch's ``SequenceParallel``
-    re-registers norm weights as fresh ``nn.Parameter``s, which would unfreeze what ``apply_lora`` froze."""
+    """A torch style, then each parameter's ``requires_grad`` again (``SequenceParallel`` makes fresh ones)."""
 
     def __init__(self, style: ParallelStyle) -> None:
         super().__init__()
@@ -196,8 +168,7 @@ def _shard_dim(placements: Any) -> int | None:
 
 
 class _Unsupported(ParallelStyle):
-    """A torch style whose layouts the LoRA layers cannot produce: modules ``apply_lora`` left alone keep it,
-    and a ``LoRALinear`` under it is refused by name rather than given another layout."""
+    """A torch style the LoRA layers cannot match: kept for plain modules, a ``ValueError`` on a ``LoRALinear``."""
 
     def __init__(self, style: ParallelStyle, reason: str) -> None:
         super().__init__()
@@ -210,8 +181,7 @@ class _Unsupported(ParallelStyle):
 
 
 def _lora_style(name: str, style: ColwiseParallel | RowwiseParallel) -> ParallelStyle:
-    """The LoRA style with ``style``'s layouts: each side either the layer's own (sequence-sharded or not)
-    or the one other layout the style can convert to (a gathered column output, a replicated row input)."""
+    """The LoRA style with ``style``'s layouts, or ``_Unsupported``."""
     colwise = isinstance(style, ColwiseParallel)
     seq_side, last_side = (style.input_layouts, style.output_layouts) if colwise else (
         style.output_layouts, style.input_layouts)
@@ -233,14 +203,9 @@ def _lora_style(name: str, style: ColwiseParallel | RowwiseParallel) -> Parallel
 
 
 def lora_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """Map a torch TP plan onto the LoRA styles: ``ColwiseParallel`` -> ``ColwiseParallelLoRA`` and
-    ``RowwiseParallel`` -> ``RowwiseParallelLoRA``, with their layouts: sequence parallelism from a ``Shard(d)``
-    input of a colwise / output of a rowwise style, ``gather_output`` from a colwise ``Replicate()`` output,
-    ``input_is_parallel=False`` from a rowwise ``Replicate()`` input. A LoRA layer under any other layout is
-    refused when the plan is applied. Other styles (``SequenceParallel``, ``PrepareModuleInput``, ...) are
-    kept, except that frozen parameters stay frozen.
+    """Map a torch TP plan onto the LoRA styles, layouts included (docs/tensor_parallel.md has the table).
 
-    Modules under a mapped entry that ``apply_lora`` did not adapt keep the original torch style.
+    Un-adapted modules keep the torch style; other styles are kept, leaving frozen parameters frozen.
     """
     mapped: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
