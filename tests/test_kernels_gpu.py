@@ -133,6 +133,25 @@ def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
 
 @gpu
 @needs_cuda
+def test_gpu_bound_launches_skip_tritons_wrapper_unless_a_launch_hook_is_set(monkeypatch):
+    x, weight, b, lora_A, lora_B, dy = make_inputs(256, 128, 192, 16, torch.bfloat16, device="cuda")
+    made, seen = [], []
+    real = launcher.direct_launch
+    monkeypatch.setattr(launcher, "direct_launch", lambda compiled, g: made.append(real(compiled, g)) or made[-1])
+    for hooked in (False, True):
+        if hooked:  # a profiler's hook must see every launch: Triton's own path then
+            monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: seen.append(a))
+        launcher._BOUND.clear()
+        clear_sites()
+        made.clear()
+        for _ in range(2):  # the first call binds, the second launches the bound kernels
+            check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
+        assert made and all((m is None) == hooked for m in made), made
+    assert seen
+
+
+@gpu
+@needs_cuda
 def test_gpu_tma_workspace_is_shared_per_stream_and_right_on_two_streams():
     # The descriptor workspace is one buffer per (device, stream); kernels on two streams at once must not
     # share one. Both streams run the op on different data concurrently and both must match the reference.

@@ -99,6 +99,25 @@ BOUND_KEPT = 1024
 _BOUND: dict[tuple, Bound] = {}
 
 
+def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int]) -> Callable | None:
+    """``compiled`` launched at grid ``g`` on the current stream through its launcher alone, skipping the per-call
+    device, stream and hook lookups of ``compiled[g]``; None where launch hooks are set (a profiler's)."""
+    knobs = getattr(triton, "knobs", None)
+    hooks = [getattr(knobs.runtime, h, None) for h in ("launch_enter_hook", "launch_exit_hook")] if knobs else [1]
+    packed = getattr(compiled, "packed_metadata", None)
+    if packed is None or any(h is not None and getattr(h, "calls", True) for h in hooks):
+        return None
+    compiled._init_handles()
+    launcher, function = compiled.run, compiled.function
+    stream_of, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
+    g0, g1, g2 = g
+
+    def direct(*args):
+        launcher(g0, g1, g2, stream_of(device), function, packed, None, None, None, *args)
+
+    return direct
+
+
 def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple) -> tuple:
     """The ``_BOUND`` key of a launch on the current device."""
     # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
@@ -145,6 +164,6 @@ def bind(
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-    run = compiled[g]
+    run = direct_launch(compiled, g) or compiled[g]
     bound = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
     return keep_at_most(_BOUND, key, bound, BOUND_KEPT)  # an evicted Bound lives on in the Sites that hold it
