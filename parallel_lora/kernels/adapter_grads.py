@@ -1,23 +1,5 @@
-"""Both adapter gradients in one launch, as deterministic reductions over M:
-
-    out[F, r] = c * drop(feat)^T @ g        feat [M, F], g [M, r]
-
-    dA = G^T drop_pre(x)   [r, K]:   feat = x  [M, K], g = G [M, r], c = 1/(1-p) under "pre" (mask on x)
-    dB = dy^T S            [N, r]:   feat = dy [M, N], g = S [M, r], c = 1
-
-(dA is written through transposed output strides, so both land in their natural layout.) The grid's first
-axis covers the ``BLOCK_F`` column tiles of x, then those of dy; a program owns one tile and the whole padded
-rank, ``acc [R_PAD, BLOCK_F]`` (fp32), and walks one contiguous chunk of ``m_per_split`` rows in ``BLOCK_M``
-steps, ``acc += g_tile^T @ feat_tile`` (``blocks.reduce_item``): the big operand is read along its rows, in its
-row-major layout, through a TMA descriptor where its rows allow (16-bit, Hopper), else through pointers; the
-``feat^T [F, M] @ g`` form would read it across its rows, at about half the bandwidth.
-
-With one split a program stores its tile. With several, each stores an fp32 partial and bumps its tile's
-arrival counter; the last to arrive sums the partials in split order (a fixed order: bitwise reproducible, no
-atomics on the data), stores the tile and resets the counter for the next launch. So the whole reduction is
-one launch at any M; the host issues no sum and no cast (each would cost more host time on autograd's device
-thread than the reduction itself takes at short M). The split count depends only on the shape (never on the
-tuned config), and every split length is a multiple of every config's ``BLOCK_M``.
+"""Both adapter gradients in one launch, as reductions over M in a fixed order: ``out [F, r] = c * drop(feat)^T @ g``
+for ``dA = G^T drop_pre(x) [r, K]`` (stored through transposed strides) and ``dB = dy^T S [N, r]``.
 """
 
 from __future__ import annotations
@@ -35,12 +17,13 @@ from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 
+# fmt: off
+
 
 def reduce_configs() -> list[triton.Config]:
-    """(BLOCK_F, BLOCK_M, stages, warps) of the reductions ``[F, M] @ [M, r]``. Bandwidth-bound like the shrink:
-    the split over M (``split_rows``) supplies the programs."""
+    """The reductions' configs (BLOCK_F, BLOCK_M, stages, warps)."""
     rows = [
-        (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
+        (32, 32, 2, 4),
         (64, 64, 4, 4),
         (64, 128, 3, 4),
         (64, 128, 4, 4),
@@ -60,27 +43,22 @@ def reduce_fits(cfg: dict, nargs: dict) -> bool:
     return cfg["BLOCK_F"] <= max(64, next_pow2(max(nargs["F_A"], nargs["F_B"])))
 
 
-# The largest BLOCK_M in ``reduce_configs`` (GPU) / the interpreter's BLOCK_M: a split of the M reduction
-# must be a whole number of M tiles for every config, so its length is a multiple of this.
+# Every split is a whole number of M tiles for every config: the largest BLOCK_M (GPU, interpreter).
 REDUCE_M_ALIGN_GPU = 128
 REDUCE_M_ALIGN_INTERP = 32
 
 
 @triton.jit(do_not_specialize=["f_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_adapter_grads_kernel(
-    # pointers: problem a (dA: x, G) and problem b (dB: dy, S), the partials and the arrival counters
     fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
-    # sizes (F_A = 0 or F_B = 0 skips that gradient)
     M, F_A, F_B, R, m_per_split, num_splits,
-    # strides
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
-    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
     scale_a, p, seed_ptr, f_offset,
-    # compile-time
     DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+):
+    """Problem a (dA: x, G) and b (dB: dy, S); ``F_A = 0`` or ``F_B = 0`` skips that gradient."""
     k_row, k_col = mask_keys(seed_ptr, DROP_A)
     reduce_item(
         tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
@@ -88,7 +66,7 @@ def _lora_adapter_grads_kernel(
         stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, scale_a, p,
         k_row, k_col, f_offset, DROP_A, ODD_OFFSET, A_TMA, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
         None,
-    )  # fmt: skip
+    )
 
 
 SPEC = KernelSpec(
@@ -106,15 +84,13 @@ SPEC = KernelSpec(
 
 def _num_programs_target(device: torch.device) -> int:
     if interpreting():
-        return 8  # small, so that test-sized problems exercise the multi-split path
+        return 8
     return 2 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None) -> tuple[int, int]:
-    """``(split, m_per_split)`` for the M reduction over ``F`` feature columns in all: enough programs to fill
-    the device when ``F / BLOCK_F`` alone would not, and no chunk over ``max_rows`` rows when given, each chunk
-    a multiple of ``BLOCK_M``. A function of the shape only, so repeated calls reduce in the same order
-    (bitwise reproducible)."""
+    """``(split, m_per_split)`` of the M reduction over ``F`` columns: enough programs to fill the device, chunks
+    of at most ``max_rows``; a function of the shape only."""
     align = REDUCE_M_ALIGN_INTERP if interpreting() else REDUCE_M_ALIGN_GPU
     f_tiles = cdiv(F, 32 if interpreting() else 128)
     split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
@@ -127,8 +103,7 @@ def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None
 def partials_workspace(
     M: int, F: int, R: int, device: torch.device, max_rows: int | None = None
 ) -> tuple[int, int, int]:
-    """``(split, m_per_split, elements of the fp32 partials)`` of ``F`` feature columns' reductions over M, each
-    split at most ``max_rows`` long if given."""
+    """``(split, m_per_split, fp32 partials' elements)`` of ``F`` columns' reductions over M."""
     split, m_per_split = split_rows(M, F, device, max_rows)
     return split, m_per_split, split * F * pad_rank(R)
 
@@ -140,11 +115,8 @@ def grad_problems(
     x: torch.Tensor | None, g: torch.Tensor | None, dy: torch.Tensor | None, s_lora: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, Problem, Problem]:
-    """The adapter gradients' two reductions as the kernels take them, from ``x [M, K]``, ``g = G [M, r]``
-    (problem a: dA) and ``dy [M, N]``, ``s_lora = S [M, r]`` (problem b: dB), ``None`` for both tensors of a
-    gradient not wanted: ``(dA [r, K] | None, dB [N, r] | None, (feat_a, g_a, out_a), (feat_b, g_b, out_b))``
-    with fresh outputs in ``out_dtype`` (default: the operands'). A problem not wanted borrows the other's tensors (the
-    kernels give it no columns)."""
+    """``(dA | None, dB | None, problem a, problem b)`` with fresh outputs; a gradient not wanted (its two tensors
+    ``None``) borrows the other's tensors and gets no columns."""
     want_a, want_b = x is not None, dy is not None
     feat_a, g_a = (x, g) if want_a else (dy, s_lora)
     feat_b, g_b = (dy, s_lora) if want_b else (x, g)
@@ -168,11 +140,8 @@ def lora_adapter_grads(
     out_dtype: torch.dtype | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``dA = c * G^T drop(x)`` ``[r, K]`` from ``x [M, K]``, ``g = G [M, r]``, and ``dB = dy^T S`` ``[N, r]``
-    from ``dy [M, N]``, ``s_lora = S [M, r]``, in one launch, in ``out_dtype`` (default: the operands' one dtype).
-    Pass ``None`` for both tensors of a gradient not wanted (it comes back ``None``). ``c = 1/(1-p)`` with
-    ``drop_x`` (the "pre" mask of x's columns shifted by ``f_offset``, keyed by ``seed``), else 1. ``M == 0`` gives
-    zeros. Inputs are checked by the caller, which passes a ``site`` bound to this layout (filled at its first call)."""
+    """``(dA [r, K], dB [N, r])`` in ``out_dtype``: ``dA = c * G^T drop(x)`` (``c = 1/(1-p)`` with ``drop_x``, the "pre"
+    mask at columns ``f_offset + k``), ``dB = dy^T S``; ``None`` in, ``None`` out; ``M == 0`` gives zeros."""
     want_a, want_b = x is not None, dy is not None
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora, out_dtype)
     M, R = g_a.shape
@@ -194,7 +163,6 @@ def lora_adapter_grads(
 
 
 def _describe(tensors: tuple, want_a: bool, want_b: bool, split: int, m_per_split: int, drop_x: bool, f_offset: int):
-    """The launch of ``lora_adapter_grads`` for this layout."""
     feat_a, g_a, out_a, feat_b, g_b, out_b, _, _ = tensors
     M, R = g_a.shape
     F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
@@ -206,12 +174,12 @@ def _describe(tensors: tuple, want_a: bool, want_b: bool, split: int, m_per_spli
 
     def build():
         static = (M, F_A, F_B, R, m_per_split, split, *feat_a.stride(), *g_a.stride(), out_a.stride(1),
-                  out_a.stride(0), *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)  # fmt: skip
+                  out_a.stride(0), *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad)
         consts = {"DROP_A": drop_a, "ODD_OFFSET": odd, "A_TMA": a_tma, "B_TMA": b_tma, "R_PAD": r_pad,
-                  **dot_options(feat_a.dtype)}  # fmt: skip
+                  **dot_options(feat_a.dtype)}
         return static, lambda meta: (cdiv(F_A, meta["BLOCK_F"]) + cdiv(F_B, meta["BLOCK_F"]), split), consts
 
     # The outputs are fresh and contiguous, so their strides follow from the sizes.
     signature = (M, F_A, F_B, R, want_a, want_b, feat_a.stride(), g_a.stride(), feat_b.stride(), g_b.stride(),
-                 feat_a.dtype, out_a.dtype, drop_a, odd, a_tma, b_tma, split > 1)  # fmt: skip
+                 feat_a.dtype, out_a.dtype, drop_a, odd, a_tma, b_tma, split > 1)
     return SPEC, _lora_adapter_grads_kernel, signature, build

@@ -1,17 +1,5 @@
-"""The ``@triton.jit`` blocks that several kernels are built from (each kernel file holds its own kernel).
-
-    the persistent TMA GEMM             gemm_tma, dx_grads (``gemm_tiles``), shrink_gemm (its parts)
-        tile_coords     grouped tile order: ``GROUP_M`` row-blocks sweep the N tiles together (L2 reuse of w)
-        gemm_descriptors, rank_descriptors, tile_dot, k_loop, rank_term, store_tile, gemm_tiles
-    the shrink's rows                   shrink, shrink_gemm (its producers)
-        shrink_rows     ``c * drop_post(drop_pre(x_rows) @ U)``, an fp32 ``[BLOCK_M, R_PAD]`` tile
-    the M reductions                    adapter_grads, dx_grads (its spare programs), shrink_db (``finish_tile``)
-        reduce_tile     ``g^T @ drop(feat)`` over a range of rows, an fp32 ``[R_PAD, BLOCK_F]`` tile
-        finish_tile     store a tile, or its split's partial and, for the last arrival, the sum in split order
-        reduce_item     one (column tile, M split) item of the adapter gradients
-
-Every block accumulates in fp32; callers round once, at the store.
-"""
+"""``@triton.jit`` blocks shared by several kernels: the persistent TMA GEMM's tile loop, the shrink's rows and the
+M reductions of the adapter gradients. Every block accumulates in fp32; callers round once, at the store."""
 
 from __future__ import annotations
 
@@ -20,9 +8,7 @@ import triton.language as tl
 
 from .dropout_mask import drop_tile
 
-# ---------------------------------------------------------------------------------------------------------
-# The persistent TMA GEMM.
-# ---------------------------------------------------------------------------------------------------------
+# fmt: off
 
 
 @triton.jit
@@ -41,10 +27,9 @@ def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def tile_dot(
     acc, a_desc, b_desc, pid_m, pid_n, off, B_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``acc + a[tile rows, off:off + step] @ b[off:off + step, tile columns]``, one step of a tile's reduction
-    through TMA descriptors: b's tile read as ``[BLOCK_N, step]`` and transposed (``B_T``), or as
-    ``[step, BLOCK_N]``."""
+):
+    """``acc + a[tile rows, off:off + step] @ b[off:off + step, tile columns]`` through TMA descriptors (``B_T``:
+    b's tile read as ``[BLOCK_N, step]`` and transposed)."""
     a = a_desc.load([pid_m * BLOCK_M, off])
     if B_T:
         b = b_desc.load([pid_n * BLOCK_N, off]).T
@@ -60,9 +45,8 @@ def tile_dot(
 def gemm_descriptors(
     x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w, stride_om, W_NK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The TMA descriptors of x's ``[BLOCK_M, BLOCK_K]`` tiles, w's tiles (``[BLOCK_N, BLOCK_K]`` of W when
-    ``W_NK``, else ``[BLOCK_K, BLOCK_N]``) and out's half-width ``[BLOCK_M, BLOCK_N // 2]`` tiles."""
+):
+    """TMA descriptors of x's, w's (``[BLOCK_N, BLOCK_K]`` when ``W_NK``) and out's half-width tiles."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K_RED], [stride_xm, 1], [BLOCK_M, BLOCK_K])
     if W_NK:
         w_desc = tl.make_tensor_descriptor(w_ptr, [N_OUT, K_RED], [stride_w, 1], [BLOCK_N, BLOCK_K])
@@ -76,9 +60,8 @@ def gemm_descriptors(
 def rank_descriptors(
     s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    """The TMA descriptors of s's ``[BLOCK_M, BLOCK_R]`` tiles and f's: ``[BLOCK_N, BLOCK_R]`` tiles of ``f^T``
-    (``F_T``: B [N, r] for y) or ``[BLOCK_R, BLOCK_N]`` tiles of f (A [r, K] for dx). Columns past R read zeros."""
+):
+    """TMA descriptors of s's and f's rank tiles (``F_T``: f read as ``f^T``'s rows); columns past R read zeros."""
     s_desc = tl.make_tensor_descriptor(s_ptr, [M, R], [stride_sm, 1], [BLOCK_M, BLOCK_R])
     if F_T:
         f_desc = tl.make_tensor_descriptor(f_ptr, [N_OUT, R], [stride_fn, 1], [BLOCK_N, BLOCK_R])
@@ -91,7 +74,7 @@ def rank_descriptors(
 def k_loop(
     acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+):
     """``acc + x[tile rows, :] @ w[:, tile columns]``: the pipelined K loop of one output tile."""
     for ki in range(k_tiles):
         acc = tile_dot(acc, x_desc, w_desc, pid_m, pid_n, ki * BLOCK_K, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
@@ -103,10 +86,9 @@ def rank_term(
     acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     S_CACHE: tl.constexpr,
-):  # fmt: skip
-    """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32, r in ``BLOCK_R`` chunks (unrolled; a chunk past R
-    loads zeros). Pointer loads: the tiles are tiny, and S, B, G, A keep any strides and any r. ``S_CACHE``:
-    the loads' cache modifier for s (".cg" reads s at L2, where another program of this launch wrote it)."""
+):
+    """``acc + s[offs_m, :R] @ f[:R, offs_n]`` in fp32 through pointers (any strides), r in ``BLOCK_R`` chunks;
+    ``S_CACHE`` is s's cache modifier (".cg" where another program of this launch wrote s)."""
     m_in = offs_m < M
     n_in = offs_n < N_OUT
     rows64 = offs_m[:, None].to(tl.int64)  # M * stride can pass 2**31
@@ -128,12 +110,12 @@ def rank_term(
 def store_tile(
     acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     """Add the bias and store the tile through ``out_desc``, rounded once to ``out_ptr``'s dtype."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N_OUT, other=0.0)
         acc += bias[None, :].to(tl.float32)
-    # Stored as two half-width tiles: half the shared-memory staging of one full-tile TMA store.
+    # Two half-width stores: half the shared-memory staging of one full-tile TMA store.
     halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
     left, right = tl.split(halves)
     out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
@@ -149,37 +131,31 @@ def gemm_tiles(
     RANK_TMA: tl.constexpr, F_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """The output tiles ``first_tile, first_tile + tile_step, ...`` (grouped order) of the LoRA GEMM: the
-    persistent loop of one program: the TMA GEMM's (``gemm_tma``) and the backward's fused launch's (``dx_grads``).
-
-    With ``RANK_TMA`` (``rank_tma``; never with ``LORA_DROP``) the rank tiles come through TMA descriptors and
-    the tile and K loops are flattened into one software pipeline, so a tile's first loads are in flight while
-    the previous tile's rank term and store run. Otherwise each tile's K loop starts on an empty pipeline."""
+):
+    """One program's persistent loop over the LoRA GEMM's tiles ``first_tile, first_tile + tile_step, ...``;
+    ``RANK_TMA`` flattens the tile and K loops into one pipeline (docs/kernels.md)."""
     x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
     if RANK_TMA:
         s_desc, f_desc = rank_descriptors(s_ptr, f_ptr, M, N_OUT, R, stride_sm, stride_fr, stride_fn, F_T, BLOCK_M,
-                                          BLOCK_N, BLOCK_R)  # fmt: skip
+                                          BLOCK_N, BLOCK_R)
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     k_tiles = tl.cdiv(K_RED, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
 
-    # The epilogue takes its tile from its own counter: in the flattened pipeline the loop's coordinates
-    # may already be the next tile's, whose loads are issued ahead.
+    # The epilogue's own tile counter: in the flattened pipeline the loop's coordinates may be the next tile's.
     tile_out = first_tile - tile_step
     for tile_id in tl.range(first_tile, num_tiles, tile_step, flatten=RANK_TMA):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LORA_DROP:
-            # dx under "pre" dropout: the mask belongs to the LoRA term alone, so that term goes first and
-            # is masked before the K loop adds into the same accumulator (a second fp32 tile would spill).
+            # The "pre" mask belongs to the LoRA term alone: masked first, then the K loop adds the base term.
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")
             acc = drop_tile(acc * keep_scale, k_row, k_col, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
         acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_out += tile_step
@@ -187,19 +163,12 @@ def gemm_tiles(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if RANK_TMA:
-            # The whole rank in one step (``rank_tma``: R_PAD == BLOCK_R); through descriptors, which is what
-            # lets the loops be flattened (pointer loads here would stall the flattened pipeline: ``gemm_tma``).
             acc = tile_dot(acc, s_desc, f_desc, pid_m, pid_n, 0, F_T, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N)
         elif not LORA_DROP:
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")  # fmt: skip
+                             stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, "")
         store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
-                   BLOCK_N)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The shrink's rows.
-# ---------------------------------------------------------------------------------------------------------
+                   BLOCK_N)
 
 
 @triton.jit
@@ -208,26 +177,22 @@ def shrink_rows(
     k_offset, DROP_PRE: tl.constexpr, ODD_OFFSET: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, X_TMA: tl.constexpr,
-):  # fmt: skip
-    """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)`` as an fp32 ``[BLOCK_M, R_PAD]`` tile, K in
-    ``BLOCK_K`` steps pipelined in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: the
-    "pre" mask's ``k_offset`` is odd (``dropout_mask.drop_tile``). ``X_TMA``: x's tiles through a TMA descriptor
-    (unit inner stride, 16-byte rows; zeros past M and K, as the masked loads give), as the fused forward's
-    producers read them. The masked pointer loads pipeline too once the strides specialize on 16, as on a GPU
-    launch, so the standalone shrink keeps them."""
+):
+    """``out_scale * drop_post(drop_pre(x[row0 : row0 + BLOCK_M]) @ U)``, an fp32 ``[BLOCK_M, R_PAD]`` tile; K in
+    ``STAGES`` stages (None: the launch's), x through a TMA descriptor with ``X_TMA``."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, R_PAD)
     m_in = offs_m < M
     r_in = offs_r < R
-    # int64 rows: M * stride_xm can pass 2**31 for long sequences.
+    # int64 rows: M * stride_xm can pass 2**31.
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     u_ptrs = u_ptr + offs_k[:, None] * stride_uk + offs_r[None, :] * stride_ur
 
     if X_TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
 
-    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # fp32 accumulator for every input dtype
+    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_in = offs_k < K - k0
         if X_TMA:
@@ -249,11 +214,6 @@ def shrink_rows(
     return acc * out_scale
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The M reductions of the adapter gradients.
-# ---------------------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def reduce_tile(
     feat_ptr, g_ptr, M, F, R, m_start, m_end, tile_f, stride_fm, stride_ff, stride_gm, stride_gr,
@@ -261,17 +221,15 @@ def reduce_tile(
     DROP_FEAT: tl.constexpr, ODD_OFFSET: tl.constexpr, FEAT_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
     STAGES: tl.constexpr,
-):  # fmt: skip
-    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])`` as an fp32 ``[R_PAD, BLOCK_F]`` tile; the M loop
-    in ``STAGES`` stages (None: the launch's ``num_stages``). ``ODD_OFFSET``: ``f_offset`` is odd."""
+):
+    """``g[m_start:m_end]^T @ drop(feat[m_start:m_end, tile])``, an fp32 ``[R_PAD, BLOCK_F]`` tile."""
     offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     offs_mb = tl.arange(0, BLOCK_M)
     f_in = offs_f < F
     r_in = offs_r < R
     if FEAT_TMA:
-        # Rows past M come back as zeros; a split ends on a BLOCK_M boundary, so no tile crosses into the
-        # next split.
+        # Zeros past M; a split ends on a BLOCK_M boundary, so no tile crosses into the next split.
         feat_desc = tl.make_tensor_descriptor(feat_ptr, [M, F], [stride_fm, 1], [BLOCK_M, BLOCK_F])
     acc = tl.zeros((R_PAD, BLOCK_F), dtype=tl.float32)
     for m0 in tl.range(m_start, m_end, BLOCK_M, num_stages=STAGES):
@@ -304,9 +262,8 @@ def reduce_tile(
 def finish_tile(
     acc, out_ptr, ws_ptr, count_ptr, tile, ws_col0, F, R, tile_f, pid_s, num_splits, stride_of, stride_or,
     stride_ws, out_scale, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
-):  # fmt: skip
-    """Store ``out_scale * sum over splits`` of this tile: directly with one split, else through the fp32
-    partials ``ws [split, F_A + F_B, R_PAD]`` (columns from ``ws_col0``) and the tile's arrival counter."""
+):
+    """Store ``out_scale *`` the tile's sum over splits, through the fp32 partials ``ws [split, F, R_PAD]``."""
     offs_f = tile_f * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
@@ -316,8 +273,7 @@ def finish_tile(
     else:
         part = (ws_col0 + offs_f[None, :]) * R_PAD + offs_r[:, None]
         tl.store(ws_ptr + pid_s * stride_ws + part, acc, mask=mask)
-        # Every thread's partial is written before one thread's release-ordered arrival; the last arrival's
-        # acquire orders the reads below after everyone's writes (.cg: read at L2, where they landed).
+        # The barrier orders every thread's partial before the release; the last arrival reads them at L2.
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
@@ -338,10 +294,8 @@ def reduce_item(
     DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
     STAGES: tl.constexpr,
-):  # fmt: skip
-    """One work item: column tile ``tile`` (of x's tiles, then dy's) over M split ``pid_s``, reduced and
-    finished (stored, or its partial added to the tile's split sum): an item per program in ``adapter_grads``,
-    items off a queue in the backward's fused launch (``dx_grads``)."""
+):
+    """Reduce and finish one item: column tile ``tile`` (x's tiles, then dy's) over M split ``pid_s``."""
     m_start = pid_s * m_per_split
     m_end = tl.minimum(m_start + m_per_split, M)
     tiles_a = tl.cdiv(F_A, BLOCK_F)
@@ -350,18 +304,18 @@ def reduce_item(
             fa_ptr, ga_ptr, M, F_A, R, m_start, m_end, tile, stride_fam, stride_faf, stride_gam, stride_gar,
             p, k_row, k_col, f_offset, DROP_A, ODD_OFFSET, A_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M,
             STAGES,
-        )  # fmt: skip
+        )
         finish_tile(
             acc, outa_ptr, ws_ptr, count_ptr, tile, 0, F_A, R, tile, pid_s, num_splits, stride_oaf, stride_oar,
             stride_ws, scale_a, R_PAD, BLOCK_F,
-        )  # fmt: skip
+        )
     else:
         tile_b = tile - tiles_a
         acc = reduce_tile(
             fb_ptr, gb_ptr, M, F_B, R, m_start, m_end, tile_b, stride_fbm, stride_fbf, stride_gbm, stride_gbr,
             p, k_row, k_col, 0, False, False, B_TMA, R_PAD, UPCAST, DOT_PRECISION, BLOCK_F, BLOCK_M, STAGES,
-        )  # fmt: skip
+        )
         finish_tile(
             acc, outb_ptr, ws_ptr, count_ptr, tile, F_A, F_B, R, tile_b, pid_s, num_splits, stride_obf,
             stride_obr, stride_ws, 1.0, R_PAD, BLOCK_F,
-        )  # fmt: skip
+        )

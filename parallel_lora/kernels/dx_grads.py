@@ -1,22 +1,5 @@
-"""The backward's dx GEMM and both adapter gradients in one persistent launch (Hopper, TMA path):
-
-    dx = dy W + drop_pre(G A)                    the persistent TMA GEMM (``blocks.gemm_tiles``)
-    dA = c * G^T drop_pre(x),  dB = dy^T S        the M reductions of ``adapter_grads`` (same tiles, same splits)
-
-Why one launch: a persistent GEMM of ``T`` output tiles on ``P`` SMs takes ``ceil(T / P)`` tile times, and the
-same number of waves fits on ``ceil(T / ceil(T / P))`` programs: 1024 tiles of 128 x 256 (8192 x 4096) on
-132 SMs make 8 waves on 128 programs, so 4 SMs would idle through the whole GEMM, while the bandwidth-bound
-adapter gradients would wait for a launch of their own after it. Here the ``P - ceil(T / ceil(T / P))`` spare
-programs start on the reductions at once, and the GEMM programs join them when their tiles are done.
-
-The reductions are a queue of ``(column tile, M split)`` items: a program takes the next one with an atomic
-increment of the queue head and works it exactly as ``adapter_grads`` does (fp32 partial per split, the tile's
-last arrival sums the partials in split order). Which program works an item never changes what it computes,
-so results are bitwise reproducible. The last program to finish resets the queue for the next launch on the
-stream. Nothing waits on anything: the kernel is correct whichever programs run concurrently.
-
-With ``DB_SUMS`` dB is not reduced from dy: ``shrink_db`` (G's launch) left its partial sums per row block, and
-the queue's first items sum them, column tile by column tile, in row-block order (``sum_partials``).
+"""The backward in one persistent TMA launch: ``dx = dy W + drop_pre(G A)`` on the GEMM programs, and a queue of the
+``adapter_grads`` items (``dA = c * G^T drop_pre(x)``, ``dB = dy^T S``) on the spare ones, joined by the rest.
 """
 
 from __future__ import annotations
@@ -35,34 +18,26 @@ from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
 
+# fmt: off
+
 
 def dx_grads_configs() -> list[triton.Config]:
-    """The TMA GEMM's tiles, each with the column width ``RED_BLOCK_F`` of the adapter-gradient tiles its spare
-    programs reduce (their M tile and stages are chosen from the rank: ``red_tiles``). The fallback row fits
-    ~100 KB like the GEMM's."""
+    """The TMA GEMM's configs, each with the reductions' column width ``RED_BLOCK_F``."""
     return tma_configs_with("RED_BLOCK_F", (128, 128, 128, 32))
 
 
 def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # The GEMM loop and the reduction loop run one after the other, so their buffers share shared memory:
-    # the larger of the two, plus the queue's and the arrival counter's atomic slots.
     red = {"BLOCK_F": cfg["RED_BLOCK_F"], "BLOCK_M": consts["RED_BLOCK_M"]}
-    # An explicitly staged TMA loop allocates ``RED_STAGES`` buffers on Triton 3.6 (stages - 1 on 3.9).
+    # ``RED_STAGES`` buffers: Triton 3.6 allocates that many for an explicitly staged TMA loop (3.9 one fewer).
     red_smem = reduce_smem(red, consts["RED_STAGES"], elem, consts)
     return max(tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
 
 
-# The longest M chunk of one reduction item: the items left when the GEMM programs finish their tiles run on a
-# busy memory system, so an item's size sets the launch's tail. 2048 rows against whole 8192-row columns: a tail
-# of ~12 us instead of ~46 (H200, 8192 x 4096 -> 14336, where 144 column tiles fill the device unsplit).
-ITEM_ROWS = 2048
+ITEM_ROWS = 2048  # the launch's tail at 8192 x 4096 -> 14336: ~12 us, against ~46 with whole columns (H200)
 
 
 def red_tiles(r_pad: int) -> tuple[int, int]:
-    """``(RED_BLOCK_M, RED_STAGES)`` of the reductions. A program has a whole SM here (the GEMM's shared
-    memory and no co-resident program), so it keeps ``RED_STAGES - 1`` feature tiles in flight to stream at a
-    good share of the bandwidth alone: 128-row tiles where the rank tile is small, fewer rows as it grows, so
-    that the stages stay within the GEMM's shared memory (they share it: ``dx_grads_smem``)."""
+    """``(RED_BLOCK_M, RED_STAGES)`` of the reductions: deep pipelines, fewer rows as the rank grows."""
     if interpreting():
         return REDUCE_M_ALIGN_INTERP, 2
     return (128 if r_pad <= 32 else 64 if r_pad <= 64 else 32), 5
@@ -72,9 +47,8 @@ def red_tiles(r_pad: int) -> tuple[int, int]:
 def sum_partials(
     part_ptr, out_ptr, tile, F, R, num_parts, stride_of, stride_or, R_PAD: tl.constexpr, BLOCK_F: tl.constexpr,
     STAGES: tl.constexpr,
-):  # fmt: skip
-    """Store ``sum_b part[b, tile's columns, :R]`` (fp32 partials ``[num_parts, F, R_PAD]``, summed in ``b``
-    order) as ``out [F, R]``: the last step of dB when its partials come from ``shrink_db``."""
+):
+    """Store ``out [F, R]``'s column tile as ``sum_b part[b, tile, :R]`` (``shrink_db``'s partials, in b order)."""
     offs_f = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     offs_r = tl.arange(0, R_PAD)
     f_in = offs_f < F
@@ -89,27 +63,21 @@ def sum_partials(
 
 @triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _dx_and_grads_kernel(
-    # dx GEMM: dy [M, N], W (as w), G [M, r], A [r, K] -> dx [M, K]
     dy_ptr, w_ptr, g_ptr, a_ptr, dx_ptr,
-    # adapter gradients: (x, G) -> dA, (dy, S) -> dB, the fp32 partials, the arrival counters and the queue;
-    # dB from shrink_db's partials instead: the partials and dB
     fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr, pdb_ptr, db_ptr,
-    # sizes: the GEMM's (N_OUT = K, K_RED = N), the reductions' (F_A = 0 or F_B = 0 skips that gradient), the
-    # sums of dB's partials (F_DB = 0: none)
     M, N_OUT, K_RED, R, F_A, F_B, m_per_split, num_splits, F_DB, db_parts,
-    # strides
     stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, stride_dbf, stride_dbr,
-    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
     keep_scale, p, seed_ptr, k_offset,
-    # compile-time
     W_NK: tl.constexpr, DB_SUMS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
     RANK_TMA: tl.constexpr, F_T: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     RED_BLOCK_F: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_STAGES: tl.constexpr,
-):  # fmt: skip
+):
+    """dx's GEMM has ``N_OUT = K``, ``K_RED = N``; ``F_A = 0`` / ``F_B = 0`` skips dA / dB's reduction, ``F_DB > 0``
+    sums dB's partials ``pdb`` into ``db``."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     # As many GEMM programs as keep the number of waves; the rest start on the queue.
@@ -130,12 +98,12 @@ def _dx_and_grads_kernel(
     item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
     sums = 0
     if DB_SUMS:
-        # dB's sums first: their partials were just written, and are likeliest still in L2.
+        # dB's sums first: their partials were just written, likeliest still in L2.
         sums = tl.cdiv(F_DB, RED_BLOCK_F)
         while item < sums:
             sum_partials(
                 pdb_ptr, db_ptr, item, F_DB, R, db_parts, stride_dbf, stride_dbr, R_PAD, RED_BLOCK_F, RED_STAGES
-            )  # fmt: skip
+            )
             item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu")
         item -= sums
     while item < num_items:
@@ -145,10 +113,9 @@ def _dx_and_grads_kernel(
             stride_oaf, stride_oar, stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr,
             stride_ws, keep_scale, p, k_row, k_col, k_offset, LORA_DROP, ODD_OFFSET, A_TMA, B_TMA, R_PAD,
             UPCAST, DOT_PRECISION, RED_BLOCK_F, RED_BLOCK_M, RED_STAGES,
-        )  # fmt: skip
+        )
         item = tl.atomic_add(queue, 1, sem="relaxed", scope="gpu") - sums
-    # Every program's last take from the queue comes before its release here; the last one to finish
-    # (acquire) leaves the queue at zero for the next launch on this stream.
+    # The last program to finish leaves the queue at zero for the stream's next launch.
     finished = tl.atomic_add(queue + 1, 1, sem="acq_rel", scope="gpu")
     if finished == programs - 1:
         tl.atomic_xchg(queue, 0, sem="relaxed", scope="gpu")
@@ -186,14 +153,9 @@ def lora_dx_and_grads(
     out_dtype: torch.dtype | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``dx [M, K] = dy [M, N] @ W + drop(G [M, r] @ A [r, K])`` with ``dA = c * G^T drop(x)`` ``[r, K]`` when
-    ``x`` is given and ``dB = dy^T S`` ``[N, r]`` when ``s_lora`` is given, in one launch (dx in dy's dtype, dA and
-    dB in ``out_dtype``, default dy's); or
-    ``dB`` as the sum of ``shrink_db``'s ``db_parts`` fp32 partials ``db_partials`` (``[db_parts, N, r_pad]``,
-    flat; then no ``s_lora``).
-    ``w`` is W as the TMA GEMM reads it (``[N, K]``, or ``W.t()`` with ``w_nk``); operands are checked by the
-    caller and TMA-describable (``tma_compatible``). ``drop``: the "pre" keep-mask of columns ``k_offset + k``
-    (``lora_drop``), on dx's LoRA term and on x, with ``c = 1/(1-p)``."""
+    """``(dx, dA, dB)``: ``dx [M, K] = dy @ W + drop(G @ A)``, ``dA = c * G^T drop(x)`` if ``x`` is given,
+    ``dB = dy^T S`` if ``s_lora`` is given, or the sum of ``shrink_db``'s ``db_partials``; dA, dB in ``out_dtype``.
+    ``w`` as ``gemm_tma.tma_operand`` gives W; ``drop``: the "pre" mask of columns ``k_offset + k``, ``c = 1/(1-p)``."""
     M, N = dy.shape
     K, R = lora_A.shape[1], g.shape[1]
     want_a, want_b = x is not None, s_lora is not None
@@ -210,20 +172,19 @@ def lora_dx_and_grads(
     if sums:
         dB = torch.empty((N, R), device=dev, dtype=out_dtype or dtype)
     pdb = db_partials if sums else out_a
-    info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)  # items at most ITEM_ROWS long
+    info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
     runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
-           k_offset, info=info)  # fmt: skip
+           k_offset, info=info)
     return dx, dA, dB
 
 
 def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, split: int, m_per_split: int,
-              lora_drop: bool, k_offset: int) -> tuple:  # fmt: skip
-    """The launch of ``lora_dx_and_grads`` for this layout."""
+              lora_drop: bool, k_offset: int) -> tuple:
     dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, *_ = tensors
     M, N = dy.shape
     K, R = lora_A.shape[1], g.shape[1]
@@ -236,7 +197,7 @@ def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, 
         r_pad = pad_rank(R)
         static = (M, K, N, R, F_A, F_B, m_per_split, split, F_DB, db_parts, dy.stride(0), w.stride(0), *g.stride(),
                   *lora_A.stride(), dx.stride(0), *feat_a.stride(), *g_a.stride(), out_a.stride(1), out_a.stride(0),
-                  *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad, R, 1)  # fmt: skip
+                  *feat_b.stride(), *g_b.stride(), *out_b.stride(), (F_A + F_B) * r_pad, R, 1)
         consts = {
             "W_NK": w_nk,
             "DB_SUMS": sums,
@@ -255,5 +216,5 @@ def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, 
     a_layout = want_a and (x.stride(), tma_rows(x))
     signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
                  want_b and s_lora.stride(), sums and db_parts, dy.dtype, out_a.dtype, tensors[-1].dtype, lora_drop,
-                 odd, num_sms)  # fmt: skip
+                 odd, num_sms)
     return SPEC, _dx_and_grads_kernel, signature, build

@@ -1,22 +1,5 @@
-"""Base GEMM with the rank-r LoRA term fused into its fp32 accumulator.
-
-    out[M, N_out] = x[M, K_red] @ w[K_red, N_out] (+ bias) + c * drop(s[M, r] @ f[r, N_out])
-
-Used for both passes (the W-frozen step needs no dW):
-
-    forward  y  = x  W^T + b + S B^T            x [M, K],  w = W^T [K, N], s = S [M, r], f = B^T [r, N]
-    backward dx = dy W + drop_pre(G A)          dy [M, N], w = W   [N, K], s = G [M, r], f = A   [r, K]
-
-Each program owns one ``BLOCK_M x BLOCK_N`` output tile (grouped ordering, ``GROUP_M`` row-blocks at a time,
-for L2 reuse of the ``w`` panel, as in Triton's matmul tutorial). It first computes the rank-r term into the
-fp32 accumulator, ``acc = s_tile @ f_tile`` (r in ``BLOCK_R`` chunks), applies the "pre" keep-mask of the
-output columns ``n_offset + n`` and ``1/(1-p)`` to it (dx only: the mask belongs to the LoRA term alone),
-then runs the ordinary K loop ``acc += x_tile @ w_tile`` into the *same* accumulator, adds the bias, and
-rounds once to the output dtype. No separate pass over ``out`` is made for the LoRA term.
-
-This pointer kernel is the portable path (any strides, fp32, pre-Hopper GPUs). ``lora_gemm`` sends 16-bit
-operands with TMA-describable rows on Hopper-or-newer GPUs to ``gemm_tma`` (persistent, TMA-fed), which
-computes the same function.
+"""The GEMM with the rank-r term in its fp32 accumulator, for y (``w = W^T``, ``s = S``, ``f = B^T``) and dx
+(``w = W``, ``s = G``, ``f = A``): ``out = x @ w (+ bias) + c * drop(s @ f)``; the portable pointer kernel.
 """
 
 from __future__ import annotations
@@ -33,8 +16,7 @@ from .spec import KernelSpec
 
 
 def gemm_configs() -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the tiles of Triton's matmul tutorial, a correctness-first
-    set for the portable path (the TMA kernel's are the tuned ones)."""
+    """The pointer GEMM's configs (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): Triton's matmul tutorial's."""
     rows = [
         (128, 256, 64, 3, 8),
         (256, 128, 64, 3, 8),
@@ -53,8 +35,7 @@ def gemm_configs() -> list[triton.Config]:
 
 
 def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # The K loop streams an x tile and a W tile per stage; the rank-r tiles (S|G and B|A) are one more
-    # buffer, or a pipelined loop of their own (``stages`` buffers) when the rank takes several chunks.
+    # The rank tiles take one buffer, or ``stages`` when the rank takes several chunks (a pipelined loop).
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
     rank_buffers = stages if consts["R"] > br else 1
     return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
@@ -62,19 +43,16 @@ def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 
 @triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_gemm_kernel(
-    # pointers
-    x_ptr,  # [M, K_RED]   activation (x, or dy)
-    w_ptr,  # [K_RED, N_OUT] frozen base operand (W^T, or W)
-    bias_ptr,  # [N_OUT] or a dummy when not HAS_BIAS
-    s_ptr,  # [M, R]       rank-r activation (S, or G)
-    f_ptr,  # [R, N_OUT]   rank-r factor (B^T, or A)
-    out_ptr,  # [M, N_OUT]
-    # sizes
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    s_ptr,
+    f_ptr,
+    out_ptr,
     M,
     N_OUT,
     K_RED,
     R,
-    # strides
     stride_xm,
     stride_xk,
     stride_wk,
@@ -86,15 +64,13 @@ def _lora_gemm_kernel(
     stride_om,
     stride_on,
     stride_bias,
-    # runtime scalars (changing them never recompiles)
-    keep_scale,  # 1/(1-p), used with LORA_DROP only
+    keep_scale,
     p,
-    seed_ptr,  # [1] int64, the call's seed (read under LORA_DROP only)
-    n_offset,  # global column of out's first column (the shard's k_offset), for the "pre" mask
-    # compile-time
+    seed_ptr,
+    n_offset,
     HAS_BIAS: tl.constexpr,
     LORA_DROP: tl.constexpr,
-    ODD_OFFSET: tl.constexpr,  # n_offset is odd
+    ODD_OFFSET: tl.constexpr,
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -103,8 +79,9 @@ def _lora_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row-blocks sweep the N tiles together so the w panel stays in L2. Written out,
-    # not blocks.tile_coords / rank_term (the TMA kernels'): this kernel's rank loop runs over R at run time.
+    """``out [M, N_OUT] = x [M, K_RED] @ w [K_RED, N_OUT] (+ bias) + drop(s [M, R] @ f [R, N_OUT])``, any strides;
+    under ``LORA_DROP`` the rank term is masked at global columns ``n_offset + n`` and scaled by ``keep_scale``."""
+    # Not blocks.tile_coords / rank_term: this kernel's rank loop runs over R at run time.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
@@ -141,7 +118,6 @@ def _lora_gemm_kernel(
         k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
         acc = drop_tile(acc * keep_scale, k_row, k_col, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
 
-    # Base GEMM into the same accumulator.
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows64 * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
@@ -189,18 +165,14 @@ def lora_gemm(
     lora_drop: bool = False,
     site: Site | None = None,
 ) -> torch.Tensor:
-    """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``; any
-    strides (``w`` may be ``W.t()``). ``drop`` (when ``lora_drop``) is the "pre" keep-mask of output columns
-    shifted by ``n_offset``, times ``1/(1-p)``, keyed by ``seed`` (``[1]`` int64). Inputs are assumed checked by the
-    caller, which passes a
-    ``site`` bound to this operand layout (filled here at the layout's first call)."""
+    """``x [M, K_red] @ w [K_red, N_out] (+ bias) + drop(s [M, r] @ f [r, N_out])`` in ``x.dtype``, any strides;
+    ``drop`` (with ``lora_drop``): the "pre" mask of columns ``n_offset + n``, times ``1/(1-p)``."""
     M = x.shape[0]
     N_out = w.shape[1]
     out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
     if M == 0 or N_out == 0:
         return out
-    # Both kernels take (x, w, bias, s, f, out) and these runtime scalars. The TMA kernel may read w through
-    # w.t(): the same address, and a launch reads only the tensors' addresses.
+    # The TMA kernel may read w as w.t(): the same address, and a launch reads only addresses.
     tensors = (x, w, bias if bias is not None else out, s, f, out)
     runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, x), int(n_offset))
     launch(site, tensors, runtime, _describe, x, w, bias, s, f, out, lora_drop, n_offset)
@@ -210,8 +182,6 @@ def lora_gemm(
 def _describe(x, w, bias, s, f, out, lora_drop: bool, n_offset: int) -> tuple:
     """The launch of ``lora_gemm`` for this layout: the TMA kernel where the operands allow, else this one."""
     odd = lora_drop and n_offset % 2 == 1
-    # The Hopper TMA kernel reads w in whichever orientation has the unit stride: W [N, K] as passed
-    # for dx, or W = w.t() for y.
     w_tma, w_nk = tma_operand(w)
     if tma_compatible(x, w_tma, out.shape[1]):
         return describe_tma_gemm(x, w_tma, w_nk, bias, s, f, out, lora_drop, odd)

@@ -1,16 +1,5 @@
-"""Rank-r shrink: ``out[M, r] = c * drop_post(drop_pre(x) @ U)`` for ``x [M, K]``, ``U [K, r]``.
-
-Used twice per step:
-
-    forward   S = s * drop_post(drop_pre(x) A^T)     x [M, K],  U = A^T [K, r]
-    backward  G = s * drop_post(dy B)                 dy [M, N], U = B   [N, r]
-
-One program owns ``BLOCK_M`` rows and the whole (padded) rank: ``acc [BLOCK_M, R_PAD]`` (fp32) runs over K in
-``BLOCK_K`` steps, ``acc += drop_pre(x_tile) @ U_tile``. Dropout scales every kept element by the same
-``1/(1-p)``, so the kernel only *zeroes* dropped elements (exact in any dtype) and folds ``1/(1-p)`` into the
-scalar ``c = s/(1-p)`` applied once to the fp32 accumulator; the result is rounded to the input dtype once.
-The rank tail ``r < R_PAD`` is masked on load and store. The program's loop is ``blocks.shrink_rows``, which
-the fused forward's producers (``shrink_gemm``) run too.
+"""The rank-r shrink ``out [M, r] = c * drop_post(drop_pre(x [M, K]) @ U [K, r])``: S (``U = A^T``) in the forward,
+G (``x = dy``, ``U = B``) in the backward.
 """
 
 from __future__ import annotations
@@ -27,10 +16,7 @@ from .spec import KernelSpec
 
 
 def shrink_configs() -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD.
-
-    The shrink is bandwidth-bound (it reads x once), so the list favours many programs (small BLOCK_M:
-    M = 8192 rows make 256-512 programs for 132 SMs) with deep, wide K tiles in flight."""
+    """The shrink's configs (BLOCK_M, BLOCK_K, stages, warps); the rank tile is R_PAD."""
     rows = [
         (32, 32, 2, 4),  # the fallback that fits ~100 KB even for fp32 at r = 256
         (16, 128, 4, 4),
@@ -47,9 +33,7 @@ def shrink_configs() -> list[triton.Config]:
 
 
 def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Per stage an x and a U tile. Under the "pre" mask Triton 3.8 writes the masked x tile back to shared memory
-    # for the tensor cores (one more x tile, compiled exactly so for sm_90a), while 3.6 and 3.9 feed it from
-    # registers; the estimate takes the larger, since pruning trusts it.
+    # Under the "pre" mask some Triton versions (3.8) stage the masked x tile in shared memory: counted.
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     staged = bm * bk if consts["DROP_PRE"] else 0
     return (stages * (bm * bk + bk * consts["R_PAD"]) + staged) * elem
@@ -61,29 +45,24 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
 
 @triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_kernel(
-    # pointers
-    x_ptr,  # [M, K]
-    u_ptr,  # [K, R]
-    out_ptr,  # [M, R]
-    # sizes
+    x_ptr,
+    u_ptr,
+    out_ptr,
     M,
     K,
     R,
-    # strides
     stride_xm,
     stride_xk,
     stride_uk,
     stride_ur,
     stride_om,
     stride_or,
-    # runtime scalars (changing them never recompiles)
-    out_scale,  # s, times 1/(1-p) when this kernel applies the dropout
+    out_scale,
     p,
-    seed_ptr,  # [1] int64, the call's seed (read only under a mask)
-    k_offset,  # global column of x's first column (the shard's offset), for the "pre" mask
-    # compile-time
+    seed_ptr,
+    k_offset,
     DROP_PRE: tl.constexpr,
-    ODD_OFFSET: tl.constexpr,  # k_offset is odd
+    ODD_OFFSET: tl.constexpr,
     DROP_POST: tl.constexpr,
     R_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -91,6 +70,8 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """``out [M, R] = out_scale * drop_post(drop_pre(x [M, K]) @ u [K, R])``, ``BLOCK_M`` rows a program; the "pre"
+    mask at global columns ``k_offset + k``."""
     row0 = tl.program_id(0) * BLOCK_M
     k_row, k_col = mask_keys(seed_ptr, DROP_PRE or DROP_POST)
     acc = shrink_rows(
@@ -127,11 +108,8 @@ def lora_shrink(
     drop_post: bool = False,
     site: Site | None = None,
 ) -> torch.Tensor:
-    """``x [M, K]``, ``u [K, r]`` (any strides, e.g. ``A.t()``) -> ``c * drop_post(drop_pre(x) @ u) [M, r]``
-    in ``x.dtype``, with ``c = scale / (1 - p)`` if a mask is applied here, else ``scale``; ``seed`` (``[1]``
-    int64 on x's device) keys the mask. Inputs are
-    assumed checked by the caller (``parallel_lora.kernels.dispatch``), which passes a ``site`` bound to this
-    operand layout (filled here at the layout's first call)."""
+    """``x [M, K]``, ``u [K, r]`` (any strides) -> ``c * drop_post(drop_pre(x) @ u) [M, r]`` in ``x.dtype``,
+    ``c = scale / (1 - p)`` under a mask, else ``scale``."""
     M = x.shape[0]
     R = u.shape[1]
     out = torch.empty(M, R, device=x.device, dtype=x.dtype)

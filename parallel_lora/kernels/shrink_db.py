@@ -1,20 +1,5 @@
-"""The backward's shrink and dB's partial sums from one read of dy:
-
-    G = s * drop_post(dy B)            [M, r]              dy [M, N], B [N, r]
-    P[b] = dy[rows b]^T S[rows b]      [blocks, N, r_pad]  fp32, one partial of dB = dy^T S per row block b
-
-Why: the fused backward launch (``dx_grads``) reduces dA (a read of x) and dB (a read of dy) on the dx GEMM's
-spare SMs, and at 8192 x 4096 -> 4096, r16, the two together overflow that spare time, where either one alone
-fits. The G launch before it reads all of dy anyway; here each dy tile it loads also feeds
-``dy_tile^T S_rows``, so dx_grads only sums ``blocks`` partials per column (``dx_grads.sum_partials``, ~1/8 of
-dy's bytes at r16, ~1/4 at r32) instead of reading dy again.
-
-A program owns ``ROWS`` rows (a fixed function of the shape, never of the tuned config, so that the sums run in
-the same order whatever the tuner picks) and one of ``splits`` ranges of dy's columns; it streams its
-``[ROWS, BLOCK_N]`` tiles once: ``acc [ROWS, R_PAD] += tile @ B_tile`` and ``P[b, cols] = tile^T @ S_rows``.
-With several column splits each program stores its G partial and the row block's last arrival sums them in
-split order (``blocks.finish_tile``); the "post" mask zeroes the same elements of every partial, so it is
-applied to each (exact).
+"""From one read of dy: ``G = c * drop_post(dy [M, N] @ B [N, r])`` and dB's fp32 partial sums per row block b,
+``P[b] = dy[rows b]^T S[rows b]`` ``[blocks, N, r_pad]``, which ``dx_grads`` sums.
 """
 
 from __future__ import annotations
@@ -33,10 +18,9 @@ from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
 
 
 def shrink_db_configs() -> list[triton.Config]:
-    """(BLOCK_N, stages, warps); the rows per program are fixed (``db_rows``), not tuned, so that dB's partials sum
-    in one order."""
+    """The configs (BLOCK_N, stages, warps); the rows per program are fixed (``db_rows``)."""
     rows = [
-        (32, 2, 4),  # the fallback that fits ~100 KB
+        (32, 2, 4),
         (64, 3, 4),
         (64, 3, 8),
         (64, 4, 8),
@@ -47,42 +31,32 @@ def shrink_db_configs() -> list[triton.Config]:
 
 
 def shrink_db_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Per stage a dy tile and a B tile; S's rows once (the second dot's operand); the fp32 partial of dB on its
-    # way to a coalesced store (4 KB past the tiles at BLOCK_N 64, compiled for sm_90a), and the arrival's atomic.
+    # The last term: dB's fp32 partial, staged for a coalesced store.
     rows, bn, r_pad = consts["ROWS"], cfg["BLOCK_N"], consts["R_PAD"]
     return (stages * (rows * bn + bn * r_pad) + rows * r_pad) * elem + bn * r_pad * 4 + ATOMIC_SLOT
 
 
-# The column ranges are a multiple of the largest BLOCK_N in ``shrink_db_configs`` (of the interpreter's).
+# Column ranges are multiples of the largest BLOCK_N in ``shrink_db_configs`` (GPU, interpreter).
 N_ALIGN_GPU = 128
 N_ALIGN_INTERP = 32
-# Where this path pays (``takes_db_partials``; the backward at 8192 x 4096 -> 4096, H100 and H200): r16 2% and
-# r32 2.7% faster, r64 2% slower (G's launch costs twice the plain G's); below 8192 tokens the dx launch has little
-# tail to remove, and the host time the path adds per backward could show in eager launches.
+# The backward at 8192 x 4096 -> 4096 (H100, H200): r16 2% and r32 2.7% faster, r64 2% slower.
 MAX_DB_R_PAD = 32
 MIN_M_GPU = 8192
-# The partials stay allocated with the stream's other workspaces and grow with the tokens: past this size the
-# backward reduces dB from dy instead (64 MiB: 8192 x 14336 is 28 MiB at r16, 56 at r32; 65536 tokens at
-# N = 14336 would hold 224 MiB at r16), against dy's 64 MiB at 8192 x 4096 that dx_grads would otherwise read.
-MAX_DB_PARTIALS_BYTES = 64 << 20
-# Programs per SM the column splits aim at (one wave).
+MAX_DB_PARTIALS_BYTES = 64 << 20  # 8192 x 14336 takes 28 MiB at r16; more tokens reduce dB from dy
 PROGRAMS_PER_SM = 1
-# At most this many column splits: the row block's last arrival sums that many G partials alone.
-MAX_SPLITS = 8
+MAX_SPLITS = 8  # the row block's last arrival sums that many G partials alone
 
 
+# fmt: off
 @triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_db_kernel(
-    # dy [M, N], B [N, R], S [M, R] -> G [M, R]; the dB partials [blocks, N, R_PAD], the G partials
-    # [splits, M, R_PAD] and the row blocks' arrival counters; seed_ptr: the call's seed ([1] int64, read under the
-    # mask only)
     dy_ptr, b_ptr, s_ptr, g_ptr, pdb_ptr, pg_ptr, count_ptr,
     M, N, R, n_per_split, num_splits,
     stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr, stride_gm, stride_gr,
     out_scale, p, seed_ptr,
     DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     block = tl.program_id(0)
     split = tl.program_id(1)
     n_start = split * n_per_split
@@ -116,11 +90,10 @@ def _lora_shrink_db_kernel(
     if DROP_POST:
         k_row, k_col = mask_keys(seed_ptr, DROP_POST)
         acc = drop_tile(acc, k_row, k_col, p, offs_m, 0, False)
-    # finish_tile takes [R_PAD, columns] tiles: G's rows are its columns here.
     finish_tile(
         tl.trans(acc * out_scale), g_ptr, pg_ptr, count_ptr, block, 0, M, R, block, split, num_splits,
         stride_gm, stride_gr, M * R_PAD, 1.0, R_PAD, ROWS,
-    )  # fmt: skip
+    )
 
 
 SPEC = KernelSpec(
@@ -136,17 +109,14 @@ SPEC = KernelSpec(
 
 
 def takes_db_partials(M: int, N: int, r_pad: int) -> bool:
-    """Whether a fused backward of ``M`` tokens, ``N`` output features and padded rank ``r_pad`` takes dB's
-    partials from this launch."""
+    """Whether a fused backward of ``M`` tokens, ``N`` outputs and padded rank ``r_pad`` takes dB's partials here."""
     if r_pad > MAX_DB_R_PAD or db_blocks(M) * N * r_pad * 4 > MAX_DB_PARTIALS_BYTES:
         return False
     return M >= (0 if interpreting() else MIN_M_GPU)
 
 
 def db_rows() -> int:
-    """Rows per program: the partials of dB take ``M / rows * N * r_pad * 4`` bytes, so as many as G's
-    ``[rows, r_pad]`` fp32 accumulator allows beside the ``[rows, BLOCK_N]`` dy tile (256: 16 registers a thread at
-    r_pad 16, 32 at r_pad 32; fewer rows at 2 programs an SM were slower)."""
+    """Rows per program: as many as G's fp32 accumulator allows beside the dy tile (fewer were slower)."""
     return 32 if interpreting() else 256
 
 
@@ -156,10 +126,9 @@ def db_blocks(M: int) -> int:
 
 
 def column_splits(M: int, N: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, n_per_split)``: dy's columns split so that row blocks times splits fill the device's SMs once
-    (one wave: a program holds most of an SM's shared memory), a function of the shape and the device only."""
+    """``(splits, n_per_split)``: dy's columns split so that row blocks times splits fill the SMs once."""
     if interpreting():
-        align, programs = N_ALIGN_INTERP, 8  # small, so that test-sized problems split
+        align, programs = N_ALIGN_INTERP, 8
     else:
         align = N_ALIGN_GPU
         programs = PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else 0)
@@ -169,7 +138,6 @@ def column_splits(M: int, N: int, device: torch.device) -> tuple[int, int]:
 
 
 def _workspace(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
-    """``(splits, n_per_split, blocks)``: the launch's column splits and row blocks (its workspaces' sizes)."""
     return (*column_splits(M, N, device), db_blocks(M))
 
 
@@ -184,11 +152,8 @@ def lora_shrink_db(
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``dy [M, N]``, ``B [N, r]``, ``S [M, r]`` (one dtype) -> ``(G [M, r], P, blocks)``: ``G = c * drop_post(dy
-    B)`` in dy's dtype (``c = scale / (1 - p)`` with ``drop_post``, keyed by ``seed``) and the fp32 partials of
-    ``dB = dy^T S = sum_b P[b, :, :r]``, ``P`` the first ``blocks * N * r_pad`` elements of a flat per-stream
-    workspace, valid until the next launch on the stream. ``M > 0``; inputs checked by the caller, which passes a
-    ``site`` bound to this operand layout."""
+    """``(G [M, r], P, blocks)`` from ``dy [M, N]``, ``B [N, r]``, ``S [M, r]`` (``M > 0``): ``dB = sum_b P[b, :, :r]``,
+    ``P`` a flat per-stream fp32 workspace valid until the stream's next launch."""
     M, N = dy.shape
     R = lora_B.shape[1]
     r_pad = pad_rank(R)
@@ -207,7 +172,6 @@ def lora_shrink_db(
 
 
 def _describe(dy, lora_B, s_lora, g, splits: int, n_per_split: int, blocks: int, drop_post: bool) -> tuple:
-    """The launch of ``lora_shrink_db`` for this layout."""
     M, N = dy.shape
     R = lora_B.shape[1]
 
@@ -217,5 +181,5 @@ def _describe(dy, lora_B, s_lora, g, splits: int, n_per_split: int, blocks: int,
         return static, lambda meta: (blocks, splits), consts
 
     signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, drop_post, splits,
-                 db_rows())  # fmt: skip
+                 db_rows())
     return SPEC, _lora_shrink_db_kernel, signature, build

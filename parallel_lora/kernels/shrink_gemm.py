@@ -1,25 +1,5 @@
-"""The forward's shrink and GEMM in one persistent launch (Hopper, TMA path):
-
-    S = c * drop_post(x A^T)                [M, r]   on the GEMM's spare SMs (``blocks.shrink_rows``)
-    y = x W^T + b + S B^T                   [M, N]   the persistent TMA GEMM (its parts in ``blocks``)
-
-As in ``dx_grads``: a persistent GEMM of ``T`` tiles on ``P`` SMs needs only ``ceil(T / ceil(T / P))`` programs
-for its ``ceil(T / P)`` waves (128 of 132 SMs at 8192 x 4096 -> 4096), and a separate shrink would be a
-launch on every SM before it. Here the spare programs produce S, one GEMM row block (``BLOCK_M`` rows) at a
-time, in the order the grouped tiles need them; a GEMM tile reads its row block's S after its own K loop.
-
-No "pre" mask here: it hashes every element of x, compute the few spare SMs cannot keep up with, so GEMM tiles
-would wait for S; that mode keeps the separate masked shrink, on every SM, before the GEMM
-(``dispatch.forward``).
-
-Synchronization, per launch epoch ``e`` (read from the stream's sync buffer at the start): a row block's flag
-is *claimed* (``2e + 1``, compare-and-swap) by whichever program first produces it, then *published*
-(``2e + 2``, release) once its S rows are stored. Spare programs claim row blocks off a queue; a GEMM tile whose
-row block is still unclaimed after its K loop claims and computes it itself; one already claimed is waited for.
-A claimer computes its rows without waiting on anything, so no program ever waits on one that may not be
-running (whatever the GPU co-schedules), and S is the same whoever computes it (one function, same tiles,
-same order). The last program to finish advances ``e`` and resets the queue: the flags need no reset, and the
-launch holds no host-side state (CUDA-graph safe).
+"""The forward in one persistent TMA launch: ``S = c * drop_post(x A^T) [M, r]`` on the GEMM's spare programs and
+``y = x W^T + b + S B^T [M, N]``.
 """
 
 from __future__ import annotations
@@ -37,25 +17,19 @@ from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
 
-# The rank tiles the fused forward takes (larger ranks keep the separate shrink: a [BLOCK_M, R_PAD] fp32
-# producer tile beside the GEMM's registers would spill).
-MAX_FUSED_R_PAD = 64
+# fmt: off
 
-# The producers' pipeline depth (their stages share the GEMM's shared memory: ``shrink_gemm_smem``).
+MAX_FUSED_R_PAD = 64  # a larger fp32 producer tile beside the GEMM's registers would spill
 S_STAGES = 4
 
 
 def shrink_gemm_configs() -> list[triton.Config]:
-    """The TMA GEMM's tiles, each with the K step ``S_BLOCK_K`` of the S rows its spare programs produce
-    (``BLOCK_M`` rows at a time). The fallback row fits ~100 KB."""
+    """The TMA GEMM's configs, each with the producers' K step ``S_BLOCK_K``."""
     return tma_configs_with("S_BLOCK_K", (128, 128, 128, 64))
 
 
 def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # The producers' loop (x and A^T tiles, ``S_STAGES`` buffers) and the GEMM's run in different programs or one
-    # after the other, so they share shared memory: the larger of the two, plus the atomics' slot. A tile that
-    # produces its own S does so while its previous tile's output staging (half a tile) may still be draining
-    # (163864 B at 128 x 128, r = 16, compiled for sm_90).
+    # A producing tile's previous output staging (half a tile) may still be draining.
     bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
     produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // 2) * elem
     return max(tma_smem(cfg, stages, elem, consts), produce) + ATOMIC_SLOT
@@ -67,9 +41,8 @@ def _produce(
     stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK_K: tl.constexpr,
     S_STAGES: tl.constexpr,
-):  # fmt: skip
-    """Claim row block ``pid_m`` if it is unclaimed in this launch (its flag still reads ``seen``, from an earlier
-    launch), and if so compute, store and publish its S rows."""
+):
+    """Claim row block ``pid_m`` if its flag still reads ``seen`` (unclaimed), then compute and publish its S rows."""
     if seen < claimed:
         if tl.atomic_cas(flag_ptr, seen, claimed, sem="relaxed", scope="gpu") == seen:
             acc = shrink_rows(
@@ -88,27 +61,23 @@ def _produce(
 
 @triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
 def _shrink_gemm_kernel(
-    # pointers
-    x_ptr,  # [M, K_RED]     unit inner stride
-    w_ptr,  # W [N_OUT, K_RED] when W_NK, else W^T [K_RED, N_OUT]; unit inner stride
-    bias_ptr,  # [N_OUT] or a dummy when not HAS_BIAS
-    u_ptr,  # A^T [K_RED, R] (any strides)
-    s_ptr,  # S [M, R]       written here
-    f_ptr,  # B^T [R, N_OUT] (any strides)
-    out_ptr,  # y [M, N_OUT] unit inner stride
-    sync_ptr,  # int32 [epoch, finished programs, queue head, one flag per row block] of this stream
-    # sizes
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    u_ptr,
+    s_ptr,
+    f_ptr,
+    out_ptr,
+    sync_ptr,
     M, N_OUT, K_RED, R,
-    # strides
     stride_xm, stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-    # runtime scalars (changing them never recompiles), and the call's seed ([1] int64, read under the mask only)
     s_scale, p, seed_ptr,
-    # compile-time
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
-):  # fmt: skip
+):
+    """``sync_ptr``: int32 ``[epoch, finished programs, queue head, one flag per row block]`` of this stream."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -116,9 +85,8 @@ def _shrink_gemm_kernel(
     num_tiles = num_pid_m * num_pid_n
     # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
     spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
-    # Scalar reads of shared state are atomics: Triton broadcasts an atomic's result to the whole program, where a
-    # plain load is one per thread, and threads seeing different values would diverge around barriers (and can
-    # hang). The one plain read, a tile's early look at its flag, is made uniform by a vote.
+    # Shared scalars are read by atomics, whose result is uniform across the program: threads that read different
+    # values would diverge around barriers and hang. A tile's early plain read of its flag is made uniform by a vote.
     epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
     claimed = 2 * epoch + 1
     published = claimed + 1
@@ -137,24 +105,21 @@ def _shrink_gemm_kernel(
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
     else:
         x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
         k_tiles = tl.cdiv(K_RED, BLOCK_K)
         for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
             pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            # Read before the K loop (nothing waits for it; it is normally published by the end), by each thread.
             seen = tl.load(flags + pid_m, volatile=True)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                         BLOCK_K)  # fmt: skip
+                         BLOCK_K)
             if FENCE:
-                # Threads may have read the flag on either side of its publication: one barrier vote
-                # (``__syncthreads_or``) makes the choice below the same for the whole program.
                 pending = tl.inline_asm_elementwise(
                     "{ .reg .pred p, q; setp.ne.s32 q, $1, $2; bar.red.or.pred p, 0, q; selp.s32 $0, 1, 0, p; }",
                     "=r,r,r", [seen, published], dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
+                )
             else:
                 pending = seen != published
             if pending:
@@ -169,8 +134,7 @@ def _shrink_gemm_kernel(
                 while seen != published:
                     seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
             if FENCE:
-                # The relaxed load that saw the release, then an acquire fence (the PTX memory model's acquire
-                # pattern): the loads of S below come after the producer's stores.
+                # An acquire fence after the relaxed read that saw the release: S's loads follow its stores.
                 seen = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [seen],
                                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
             acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
@@ -178,8 +142,7 @@ def _shrink_gemm_kernel(
             store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS,
                        BLOCK_M, BLOCK_N)  # fmt: skip
 
-    # Every program read the epoch and took its last queue item before this release; the last one to finish
-    # (acquire) resets the queue and advances the epoch for the next launch on this stream.
+    # The last program to finish resets the queue and advances the epoch for the stream's next launch.
     finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if finished == programs - 1:
         tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
@@ -214,12 +177,8 @@ def lora_shrink_gemm(
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y [M, N], S [M, r])`` in ``x.dtype``: ``S = c * drop_post(x @ u)`` with ``u = A^T [K, r]`` and
-    ``c = scale / (1 - p)`` with the "post" mask, else ``scale`` (as ``shrink.lora_shrink``), and
-    ``y = x @ W^T (+ bias) + S @ f`` with ``f = B^T [r, N]``, in one launch. ``w`` is W as the TMA GEMM reads it
-    (``[N, K]`` with ``w_nk``, else ``W^T [K, N]``); operands are checked by the caller, TMA-describable
-    (``tma_compatible``), non-empty, with ``pad_rank(r) <= MAX_FUSED_R_PAD``; ``seed`` (``[1]`` int64) keys the
-    mask."""
+    """``(y [M, N], S [M, r])``: ``S = c * drop_post(x @ u)`` as ``shrink.lora_shrink``, ``y = x @ w (+ bias) + S @ f``
+    (``u = A^T``, ``f = B^T``, ``w`` as ``gemm_tma.tma_operand`` gives W^T), for ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
     M = x.shape[0]
     R, N = f.shape
     dev, dtype = x.device, x.dtype
@@ -235,7 +194,6 @@ def lora_shrink_gemm(
 
 
 def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple:
-    """The launch of ``lora_shrink_gemm`` for this layout."""
     M, K = x.shape
     R, N = f.shape
     num_sms = 3 if interpreting() else sm_count(x.device.index or 0)
@@ -243,12 +201,12 @@ def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple
     def build():
         r_pad = pad_rank(R)
         static = (M, N, K, R, x.stride(0), w.stride(0), *u.stride(), *s_lora.stride(), *f.stride(), y.stride(0),
-                  bias.stride(0) if bias is not None else 0)  # fmt: skip
+                  bias.stride(0) if bias is not None else 0)
         consts = {
             "W_NK": w_nk,
             "HAS_BIAS": bias is not None,
             "DROP_POST": drop_post,
-            "FENCE": not interpreting(),  # the interpreter runs programs one after another
+            "FENCE": not interpreting(),
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
             "S_STAGES": 2 if interpreting() else S_STAGES,
@@ -257,5 +215,5 @@ def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple
         return static, lambda meta: (num_sms,), consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), u.shape,
-                 u.stride(), f.stride(), x.dtype, drop_post, num_sms)  # fmt: skip
+                 u.stride(), f.stride(), x.dtype, drop_post, num_sms)
     return SPEC, _shrink_gemm_kernel, signature, build

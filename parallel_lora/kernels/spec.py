@@ -1,5 +1,4 @@
-"""``KernelSpec``: what the launcher and the tuner know of one kernel (its own module, so neither imports the other
-for it)."""
+"""``KernelSpec``: what the launcher and the tuner know of one kernel."""
 
 from __future__ import annotations
 
@@ -15,18 +14,17 @@ def _no_descriptors(consts: dict) -> bool:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """How to launch and tune one kernel: its configs, autotune key, smem estimate and shape filter."""
+    """How to launch and tune one kernel: ``smem(config kwargs, stages, element size, sizes and constexprs)`` in
+    bytes, ``work(sizes)`` in multiply-adds, ``descriptors(constexprs)``: whether it builds TMA descriptors."""
 
     name: str
     configs: Callable[[], list[triton.Config]]
-    key: Sequence[str]  # autotune key, the token count "M" first
-    smem: Callable[[dict, int, int, dict], int]  # (config kwargs, stages, elem size, sizes + constexprs)
+    key: Sequence[str]
+    smem: Callable[[dict, int, int, dict], int]
     fits: Callable[[dict, dict], bool]
-    work: Callable[[dict], int]  # multiply-adds of the launch, from its size arguments
-    dtype_arg: str  # a tensor argument whose element size and device stand for all operands
-    interp: Mapping[str, int] = field(default_factory=dict, compare=False)  # the interpreter's one config
-    # From the call's constexprs: whether the kernel builds device-side TMA descriptors, whose memory Triton
-    # asks its allocator for at every launch (``workspace.with_descriptor_scratch``).
+    work: Callable[[dict], int]
+    dtype_arg: str
+    interp: Mapping[str, int] = field(default_factory=dict, compare=False)
     descriptors: Callable[[dict], bool] = _no_descriptors
 
     def __post_init__(self):

@@ -1,14 +1,5 @@
-"""Choosing each launch's config on the GPU, at its first call.
-
-A launch is tuned per kernel variant (its constexprs), size bucket (the token count M rounded up to a power of
-two) and tensor dtypes. ``prune`` first drops the configs whose estimated shared memory (``KernelSpec.smem``,
-checked to bound what Triton compiles for sm_90a) exceeds the device's opt-in limit, so the same lists also fit
-a ~100 KB GPU, and tiles much larger than the problem; a problem under ``SMALL_WORK`` multiply-adds keeps one
-config. ``tune`` times the rest back to back in CUDA graphs, in interleaved rounds (not one config after the
-other, as Triton's autotuner does: ``fastest`` says why), and keeps the fastest.
-Tuning cannot run inside CUDA-graph capture: run one step eagerly first. The interpreter never tunes (each
-kernel runs its ``KernelSpec.interp`` config). Chosen configs persist in a JSON file per GPU and Triton version
-(``cache_file``), which later processes read before tuning; ``docs/kernels.md`` says where it lives.
+"""Each launch's config, chosen on the GPU at its first call per kernel variant, size bucket and dtypes
+(``launch_tuned``), kept in memory and in a JSON file per GPU and Triton version (docs/kernels.md, "Tuning").
 """
 
 from __future__ import annotations
@@ -36,7 +27,6 @@ from .spec import KernelSpec
 if TYPE_CHECKING:
     from triton.runtime.jit import JITFunction
 
-# A launch grid, as Triton takes it: a tuple, or a function of the config's meta-parameters.
 Grid = Callable[[dict], tuple[int, ...]] | tuple[int, ...]
 
 
@@ -54,25 +44,18 @@ def max_shared_mem(device_index: int) -> int:
 
 @functools.cache
 def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index`` (cached: launchers ask at first calls)."""
+    """Streaming multiprocessors of CUDA device ``device_index``."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Below this many multiply-adds (512^3) a launch takes one small config instead of autotuning.
-SMALL_WORK = 2**27
-
-# Shared memory a scalar atomic takes to broadcast its result (the kernels' arrival counts and queues), for the
-# estimates: 16 B past the tile buffers compiled for sm_90; one 128 B line allowed.
-ATOMIC_SLOT = 128
+SMALL_WORK = 2**27  # multiply-adds (512^3) below which a launch takes one small config untimed
+ATOMIC_SLOT = 128  # shared memory a scalar atomic's broadcast takes in the estimates (16 B compiled for sm_90)
 
 
 def prune(
     spec: KernelSpec, configs: list[triton.Config], nargs: dict, smem_limit: int | None = None, **consts
 ) -> list[triton.Config]:
-    """Keep the configs within the device's shared memory and the problem's size.
-
-    Never returns an empty list: if nothing fits, the config with the smallest estimate is kept.
-    """
+    """The configs within the device's shared memory and the problem's size; never empty (else the smallest)."""
     ref = nargs[spec.dtype_arg]
     if smem_limit is None:
         smem_limit = max_shared_mem(ref.device.index if ref.device.index is not None else 0)
@@ -87,22 +70,17 @@ def prune(
     sized = [c for c in fitting if spec.fits(c.kwargs, nargs)]
     kept = sized or fitting or [min(configs, key=need)]
     if spec.work(nargs) < SMALL_WORK:
-        # Tuning a problem this small costs more (one compile per config) than it could ever save.
         return [min(kept, key=need)]
     return kept
 
 
-# How ``tune`` times a candidate config: the median over ``TUNE_ROUNDS`` rounds, each a CUDA-graph replay of
-# ~``TUNE_REPLAY_MS`` of back-to-back launches.
 TUNE_ROUNDS = 5
 TUNE_REPLAY_MS = 5.0
 
 
 def fastest(n: int, time_one: Callable[[int], float], rounds: int = TUNE_ROUNDS) -> int:
-    """The index (of ``n`` candidates) with the lowest median of ``time_one(i)`` over ``rounds`` rounds; ties go to
-    the lower index. Round ``k`` times every candidate once, starting at candidate ``k mod n``: a kernel timed
-    first, on a cooler GPU, or right after a slow one, can read fast, and Triton's autotuner times its
-    configs one after the other, in list order, so the same candidate would always have that place."""
+    """The index (of ``n``) with the lowest median of ``time_one(i)`` over ``rounds`` rounds, round ``k`` starting at
+    candidate ``k mod n``; ties go to the lower index."""
     times: list[list[float]] = [[] for _ in range(n)]
     for k in range(rounds):
         for j in range(n):
@@ -115,11 +93,8 @@ _TUNE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
-    """A timer of ``call`` (one launch, already compiled): ms per launch over one replay of a CUDA graph of
-    back-to-back launches. No host time between launches and no cache flush: ``triton.testing.do_bench`` adds an
-    L2 flush and a Python launch to every call, which swamp the differences between the configs of a short
-    kernel. Captured in thread-local mode: another thread's CUDA calls meanwhile (autograd's device threads) are
-    not disturbed."""
+    """A timer of ``call`` (one compiled launch): ms per launch over one replay of a CUDA graph of ~``TUNE_REPLAY_MS``
+    of back-to-back launches, captured in thread-local mode."""
     device = torch.cuda.current_device()
     if device not in _TUNE_STREAMS:
         _TUNE_STREAMS[device] = torch.cuda.Stream(device)
@@ -133,8 +108,7 @@ def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
         end.record()
         end.synchronize()
         calls = max(1, min(1000, int(TUNE_REPLAY_MS / max(start.elapsed_time(end) / 3, 1e-3))))
-        # ``capture_begin`` itself: ``torch.cuda.graph`` would also collect garbage and empty the allocator's
-        # cache for every candidate.
+        # Not ``torch.cuda.graph``, which would collect garbage and empty the allocator's cache per candidate.
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(capture_error_mode="thread_local")
         try:
@@ -155,9 +129,8 @@ def replay_timer(call: Callable[[], object]) -> Callable[[], float]:
 
 
 def tune(spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict) -> triton.Config:
-    """The fastest of the configs ``prune`` keeps for this launch, each compiled and timed by ``replay_timer`` in
-    interleaved rounds (``fastest``). A config the compiler refuses (resources the estimate missed) is
-    skipped. Runs the kernel many times on ``args``: the launches write its outputs, never accumulate."""
+    """The fastest config ``prune`` keeps for this launch, timed on ``args`` (so the kernel must not accumulate into
+    its outputs); configs the compiler refuses are skipped."""
     from triton.runtime.errors import OutOfResources
 
     nargs = dict(zip(kernel.arg_names, args, strict=False))
@@ -186,12 +159,12 @@ def tune(spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts:
     return kept[fastest(len(kept), lambda i: timers[i]())]
 
 
-# ``best_key`` (kernel, constexprs, device, bucketed sizes, tensor dtypes) -> the config chosen for the first
-# token count M of that bucket, least recently used first. Since M is bucketed to powers of two, a model needs a
-# few entries per layer shape and kernel; past ``BEST_MAX`` the oldest goes (the file still has it).
+# ``best_key`` -> the chosen config, least recently used first; past ``BEST_MAX`` the oldest goes (the file keeps it).
 _BEST: dict[tuple, triton.Config] = {}
 BEST_MAX = 512
 _TUNING_LOCK = threading.Lock()
+
+# fmt: off
 
 
 @functools.cache
@@ -200,30 +173,24 @@ def _key_positions(spec: KernelSpec, kernel: JITFunction) -> tuple[int, ...]:
 
 
 def bucketed_sizes(spec: KernelSpec, kernel: JITFunction, args: tuple) -> tuple[int, ...]:
-    """The key sizes of a launch with the token count ``M`` (always first) rounded up to a power of two:
-    variable-length batches would otherwise retune at every new length (a compile and a timing of every
-    candidate config, seconds each). The other sizes are a layer's own and stay exact."""
+    """The key sizes of a launch with the token count ``M`` (always first) rounded up to a power of two."""
     m, *rest = (args[i] for i in _key_positions(spec, kernel))
     return (next_pow2(m), *rest)
 
 
 def best_key(spec: KernelSpec, kernel: JITFunction, args: tuple, consts: dict) -> tuple:
-    """The ``_BEST`` key of a launch: its kernel and constexprs (each variant tunes its own config: one compiled
-    with the "pre" mask has other registers and shared memory than the plain one), device, size bucket and
-    tensor dtypes."""
+    """The ``_BEST`` key of a launch: kernel, constexprs, device, size bucket and tensor dtypes."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     return (spec.name, kernel.__name__, tensors[0].device, bucketed_sizes(spec, kernel, args),
-            tuple(t.dtype for t in tensors), tuple(consts.items()))  # fmt: skip
+            tuple(t.dtype for t in tensors), tuple(consts.items()))
 
 
 def launch_tuned(
     spec: KernelSpec, kernel: JITFunction, grid: Grid, args: tuple, consts: dict
 ) -> tuple[triton.compiler.CompiledKernel, triton.Config]:
-    """Launch through Triton's own path with the config chosen for this size bucket (from ``_BEST``, else the
-    cache file, else ``tune`` and both stored); returns ``(compiled kernel, config)``."""
+    """Launch with the bucket's config (memory, else the file, else ``tune``); returns ``(compiled kernel, config)``."""
     key = best_key(spec, kernel, args, consts)
-    # Under the lock: autograd's device thread may launch the same kernel for another signature at the same
-    # time, and one tuning at a time keeps the timings clean.
+    # Autograd's device thread may launch meanwhile; one tuning at a time keeps the timings clean.
     with _TUNING_LOCK:
         cfg = _BEST.pop(key, None)  # re-inserted below: the most recently used entry is the last
         if cfg is None:
@@ -233,7 +200,6 @@ def launch_tuned(
     return compiled, cfg
 
 
-# ------------------------------------------------------------------------------- the cache file of tuned configs
 CACHE_ENV = "PARALLEL_LORA_CACHE_DIR"
 _FORMAT = 1  # the file's layout; a file of another is read as empty and rewritten
 _WARNED: set[str] = set()
@@ -262,13 +228,13 @@ def cache_file(device_index: int) -> Path:
 def config_to_json(cfg: triton.Config) -> dict:
     """A ``triton.Config`` as plain JSON values (``config_from_json`` reads it back)."""
     return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}  # fmt: skip
+            "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}
 
 
 def config_from_json(data: dict) -> triton.Config:
     """The ``triton.Config`` that ``config_to_json`` wrote; raises KeyError or TypeError on a malformed entry."""
     return triton.Config(dict(data["kwargs"]), num_warps=data["num_warps"], num_stages=data["num_stages"],
-                         num_ctas=data["num_ctas"], maxnreg=data["maxnreg"])  # fmt: skip
+                         num_ctas=data["num_ctas"], maxnreg=data["maxnreg"])
 
 
 @functools.cache
@@ -278,8 +244,7 @@ def _configs_digest(spec: KernelSpec) -> str:
 
 
 def cache_key(spec: KernelSpec, kernel: JITFunction, args: tuple, consts: dict) -> str:
-    """The file's key of a launch: ``best_key`` without the device index, plus hashes of the kernel's source
-    and of its config list (an edit to either tunes again)."""
+    """``best_key`` without the device index, plus hashes of the kernel's source and of its config list."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     sizes = ",".join(f"{k}={v}" for k, v in zip(spec.key, bucketed_sizes(spec, kernel, args), strict=True))
     dtypes = ",".join(str(t.dtype).removeprefix("torch.") for t in tensors)
@@ -331,8 +296,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def write_cache(path: Path, key: str, cfg: triton.Config) -> None:
-    """Add ``key -> cfg`` to the cache file: read, merged and replaced atomically under a lock, so that processes
-    tuning at once keep each other's entries and a reader never sees half a file."""
+    """Add ``key -> cfg`` to the cache file: merged and replaced atomically under a file lock."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(path):
@@ -341,7 +305,7 @@ def write_cache(path: Path, key: str, cfg: triton.Config) -> None:
             try:
                 with os.fdopen(fd, "w") as f:
                     json.dump({"format": _FORMAT, "triton": triton.__version__, "configs": entries}, f,
-                              indent=1, sort_keys=True)  # fmt: skip
+                              indent=1, sort_keys=True)
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
