@@ -123,23 +123,31 @@ class _ParallelLoRALinear(LoRALayer):
         sequence_dim: int = 1,
     ) -> _ParallelLoRALinear:
         """Shard a full ``nn.Linear`` (rank 0's copy is the source); fresh adapters drawn from global shapes."""
-        module = LoRALinear.from_linear(linear, config)
-        return cls.from_lora_linear(module, mesh, sequence_parallel, sequence_dim=sequence_dim)
+        full = LoRALinear.from_linear(linear, config)
+        cls._check_shardable(full, mesh)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._distribute_from(full, mesh, sequence_parallel, sequence_dim)
+        return layer
 
     @classmethod
     def from_lora_linear(
         cls, module: LoRALinear, mesh: DeviceMesh, sequence_parallel: bool = False, *, sequence_dim: int = 1
     ) -> _ParallelLoRALinear:
-        """Turn a full ``LoRALinear`` into this parallel layer *in place* (keeping its current adapter values,
-        taken from rank 0) and return it. ``parallelize_module`` needs the in-place form."""
+        """Shard a full ``LoRALinear`` *in place* (its adapter values from rank 0) and return it: ``parallelize_module``
+        keeps the module object a style is given, so the style converts that object."""
+        cls._check_shardable(module, mesh)
+        module.__class__ = cls
+        module._distribute_from(module, mesh, sequence_parallel, sequence_dim)
+        return module
+
+    @classmethod
+    def _check_shardable(cls, module: LoRALinear, mesh: DeviceMesh) -> None:
         _check_mesh(mesh)
         if module.merged:
             raise ValueError("unmerge_lora() the module before sharding it: a merged base would shard its update twice")
         cls._check_divisible(module.in_features, module.out_features, mesh.size())
         _mesh_device(mesh, module.weight.device)
-        module.__class__ = cls
-        module._distribute_from(module, mesh, sequence_parallel, sequence_dim)
-        return module
 
     @classmethod
     def _check_divisible(cls, in_features: int, out_features: int, tp: int) -> None:
