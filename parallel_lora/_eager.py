@@ -1,16 +1,4 @@
-"""The eager (torch) backend: the reference every Triton path is checked against, and the CPU default.
-
-Per call, on 2-D views (``M`` rows):
-
-    forward   y = x W^T + b + (S B^T).to(y.dtype),   S = s * drop_post(drop_pre(x) A^T)  [M, r]
-    backward  G  = s * drop_post(dy B)                                              [M, r]
-              dx = dy W + drop_pre(G A)                                             [M, K]
-              dA = G^T drop_pre(x)                                                  [r, K]
-              dB = dy^T S                                                           [N, r]
-
-Every operand is in the compute dtype (the caller casts, as for the kernels), so this is the fused path's reference
-up to rounding order. Saved between passes: ``x`` and ``S``.
-"""
+"""The torch backend, the oracle of every Triton path and the CPU default: docs/kernels.md's formulas on 2-D views."""
 
 from __future__ import annotations
 
@@ -38,9 +26,8 @@ def forward(x, weight, bias, lora_A, lora_B, scale: float, dropout: Dropout | No
 
 
 def backward(dy, x, weight, lora_A, lora_B, s_lora, scale: float, dropout: Dropout | None, needs_dx=True,
-             needs_dA=True, needs_dB=True):  # fmt: skip
-    """``dy [M, N]`` (compute dtype) -> ``dx [M, K]`` (compute dtype), ``dA [r, K]``, ``dB [N, r]`` (adapter
-    dtypes). ``S`` is the tensor ``forward`` returned."""
+             needs_dA=True, needs_dB=True):
+    """``dy [M, N]`` and the forward's operands and ``S`` -> ``dx [M, K]``, ``dA [r, K]``, ``dB [N, r]``."""
     dy_lora = dy.to(lora_B.dtype)
     dB = dy_lora.t() @ s_lora.to(lora_B.dtype) if needs_dB else None
     dx = dA = None

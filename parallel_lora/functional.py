@@ -1,12 +1,4 @@
-"""The LoRA op: a call plan settled once per layer and input signature, one autograd Function, one backend.
-
-    x [*, K] -> y [*, N] = x W^T + b + s * (drop(x) A^T) B^T,   y.dtype == the base output dtype
-
-A ``Plan`` holds what a signature decides (checks passed, backend, compute dtype, dropout, collectives, the
-kernels' launch sites); ``LoRAFunction`` casts to the compute dtype inside itself and hands each gradient back in
-its input's dtype. Saved for backward: ``x`` (compute dtype), the operands and ``S = s * drop(x) A^T`` ``[M, r]``.
-Why it is shaped so: docs/design.md, "The call path and its host cost".
-"""
+"""The LoRA op ``lora_linear``: a ``Plan`` per call signature and one autograd node; docs/design.md section 7."""
 
 from __future__ import annotations
 
@@ -45,21 +37,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 class Plan:
-    """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives and sites.
-
-    ``p`` is 0 without an active mask (eval mode, p = 0). ``input_comm`` / ``output_comm`` are a tensor-parallel
-    layer's activation collectives (``parallel_lora.tp._comm``), run inside the one autograd node."""
+    """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives, sites."""
 
     def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
-                 grad_dtype=None) -> None:  # fmt: skip
+                 grad_dtype=None) -> None:
         self.backend, self.dtype, self.scale = backend, dtype, scale
-        self.grad_dtype = grad_dtype  # the kernels write dA and dB in the adapters' dtype
+        self.grad_dtype = grad_dtype
         self.p, self.position, self.k_offset = p, position, k_offset
-        self.mode = position if p > 0.0 else None  # the active mask's position, as the kernels take it
-        self._mask_offset = k_offset if position == "pre" else 0  # only the "pre" mask is offset
+        self.mode = position if p > 0.0 else None
+        self._mask_offset = k_offset if position == "pre" else 0
         self.input_comm, self.output_comm = input_comm, output_comm
-        self.fwd_entry = None  # the kernels' forward sites, settled at the first fused call
-        self.bwd_entries: dict = {}  # (dy layout, wanted grads) -> the kernels' backward sites
+        self.fwd_entry = None
+        self.bwd_entries: dict = {}
 
     def _dropout(self, seed: torch.Tensor | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
@@ -77,8 +66,8 @@ class Plan:
         if entry is None:
             entry = kernels.forward_entry(x, weight, bias, lora_A, lora_B, mode)
         out = kernels.run_forward(entry, x, weight, bias, lora_A, lora_B, self.scale, self.p, seed, mode,
-                                  self._mask_offset)  # fmt: skip
-        self.fwd_entry = entry  # kept once its sites are filled
+                                  self._mask_offset)
+        self.fwd_entry = entry  # kept only once run_forward has filled its sites
         return out
 
     def backward(self, dy, x, weight, lora_A, lora_B, s_lora, seed, needs: tuple[bool, bool, bool]) -> tuple:
@@ -95,7 +84,7 @@ class Plan:
         if entry is None:
             entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
         grads = kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
-                                     self._mask_offset, *needs, self.grad_dtype)  # fmt: skip
+                                     self._mask_offset, *needs, self.grad_dtype)
         if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
             self.bwd_entries[key] = entry
         return grads
@@ -122,11 +111,11 @@ def call_key(x, weight, bias, lora_A, lora_B, *more) -> tuple:
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
     return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, autocast, weight.data_ptr(), weight.dtype,
             lora_A.data_ptr(), lora_A.dtype, lora_A.shape, lora_B.data_ptr(), lora_B.dtype,
-            None if bias is None else bias.data_ptr(), *more)  # fmt: skip
+            None if bias is None else bias.data_ptr(), *more)
 
 
 def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropout_p: float, training: bool,
-              position: str = "pre", k_offset: int = 0, input_comm=None, output_comm=None) -> Plan:  # fmt: skip
+              position: str = "pre", k_offset: int = 0, input_comm=None, output_comm=None) -> Plan:
     """Check one call's operands (local shards) and settle its plan; dropout is active only when ``training``."""
     check_inputs(x, weight, bias, lora_A, lora_B, scale)
     check_dropout(dropout_p, position, k_offset)
@@ -134,39 +123,31 @@ def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropo
     grad_dtype = lora_A.dtype if lora_A.dtype == lora_B.dtype else None
     p = float(dropout_p) if training else 0.0
     return Plan(backend, compute_dtype(x, weight), float(scale), p, position, k_offset, input_comm, output_comm,
-                grad_dtype)  # fmt: skip
+                grad_dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t [*, n]`` as ``[rows, n]`` (2-D inputs as they are)."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class LoRAFunction(torch.autograd.Function):
-    """One LoRA linear under a ``Plan``: casts to the compute dtype inside, gradients back in each input's dtype.
-
-    ``x [*, K]``, ``W [N, K]``, ``b [N]``, ``A [r, K]``, ``B [N, r]`` in any float dtypes; ``seed`` ``[1]`` int64 or
-    None -> ``[*, N]`` in the compute dtype. ``dW`` / ``db`` only if they require grad (the base is normally frozen).
-    """
+    """``apply(x, W, b, A, B, plan, seed)``: any float dtypes -> ``[*, N]`` in the compute dtype, grads in theirs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, plan, seed):
         dtype = plan.dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)  # both backends: one operand dtype
-        # Tensor parallel: ``input_comm`` gathers x under SP (once for base and LoRA); ``output_comm`` reduces the
-        # partial outputs, base and LoRA together. Under SP only the local shard of x is saved (W is frozen).
+        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
         x_full = x if plan.input_comm is None else plan.input_comm.gather(x)
         with autocast_off(x.device.type):
             y2d, s_lora = plan.forward(_rows(x_full), weight, bias, lora_A, lora_B, seed)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
-        ctx.plan, ctx.seed, ctx.has_bias = plan, seed, bias is not None  # the [1] seed: no saved activation
+        ctx.plan, ctx.seed, ctx.has_bias = plan, seed, bias is not None
         y = y2d if x_full.dim() == 2 else y2d.reshape(*x_full.shape[:-1], weight.shape[0])
         if plan.output_comm is not None:
             y = plan.output_comm.reduce(y)
-        # detach(): hand autograd a plain tensor, not a view of our 2-D buffer (FSDP2 and in-place ops on the
-        # output treat views of Function outputs specially). Same storage, no copy.
+        # not a view of the 2-D buffer: FSDP2 and in-place ops treat views of a Function's outputs specially
         return y.detach()
 
     @staticmethod
@@ -181,7 +162,6 @@ class LoRAFunction(torch.autograd.Function):
         dy2d, x2d = _rows(dy), _rows(x_full)
         with autocast_off(dy.device.type):
             dx, dA, dB = plan.backward(dy2d, x2d, weight, lora_A, lora_B, s_lora, seed, (needs_dx, needs_dA, needs_dB))
-            # A trainable base is not the LoRA use case, but its gradient must not be silently dropped.
             dW = dy2d.t() @ x2d if needs_dW else None
             db = dy2d.sum(0) if needs_db and ctx.has_bias else None
         if dx is not None:
@@ -191,7 +171,7 @@ class LoRAFunction(torch.autograd.Function):
                 dx = comm.scatter_grad(dx)
         x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
         return (cast_to(dx, x_dtype), cast_to(dW, w_dtype), cast_to(db, bias_dtype), cast_to(dA, a_dtype),
-                cast_to(dB, b_dtype), None, None)  # fmt: skip
+                cast_to(dB, b_dtype), None, None)
 
 
 def check_inputs(x, weight, bias, lora_A, lora_B, scale: float) -> None:
@@ -234,22 +214,15 @@ def lora_linear(
     dropout_position: str = "pre",
     dropout_seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y = x W^T + b + scale * (drop(x) A^T) B^T`` with dtype canonicalization.
+    """``[*, N] = x W^T + b + scale * (drop(x) A^T) B^T`` in the base output dtype; grads in each input's dtype.
 
     Args:
-        x: ``[*, K]``, any float dtype; autocast-promoted fp32 activations compute in the autocast dtype.
-        weight: ``[N, K]`` base weight (normally frozen); its dtype is the compute dtype outside autocast.
-        bias: ``[N]`` or ``None``.
-        lora_A, lora_B: ``[r, K]`` and ``[N, r]``, any float dtype (e.g. fp32 masters over a bf16 base).
-        scale: ``alpha / r`` (or ``alpha / sqrt(r)``).
-        dropout_p: dropout on the LoRA branch, active only when ``training``.
+        x, weight, bias: ``[*, K]``, ``[N, K]`` (normally frozen), ``[N]`` or None; any float dtypes.
+        lora_A, lora_B: ``[r, K]``, ``[N, r]``; any float dtype (e.g. fp32 masters over a bf16 base).
+        scale: ``alpha / r`` (or ``alpha / sqrt(r)``); dropout_p: on the LoRA branch, only when ``training``.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
         dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
-        dropout_seed: ``None`` draws one on ``x``'s device; a ``[1]`` int64 tensor on ``x``'s device is used as it
-            is; an int is copied to the device at each call (not capturable in a CUDA graph).
-
-    Returns:
-        ``[*, N]`` in exactly the base output dtype. Gradients come back in each input's own dtype.
+        dropout_seed: None draws one on ``x``'s device; a ``[1]`` int64 device tensor as is; an int is copied per call.
     """
     plan = make_plan(x, weight, bias, lora_A, lora_B, scale, backend, dropout_p, training, dropout_position)
     seed = None

@@ -1,9 +1,4 @@
-"""Single-device LoRA layer and ``apply_lora``, the in-place swap of matching ``nn.Linear``s.
-
-``LoRALinear`` keeps the base ``weight``/``bias`` frozen at ``nn.Linear``'s names and adds
-``lora_A.weight [r, in]`` and ``lora_B.weight [out, r]`` (PEFT's names and shapes) in
-``config.lora_dtype or weight.dtype``.
-"""
+"""``LoRALinear``, the base class of every LoRA layer, and ``apply_lora``, the swap of matching ``nn.Linear``s."""
 
 from __future__ import annotations
 
@@ -49,13 +44,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Initialise ``param`` in place with ``init`` applied to its *global* tensor.
-
-    A DTensor (a tensor-parallel layer's shard, FSDP2's, or both) has its global tensor drawn whole on every
-    rank, and keeps the shard that rank 0's draw would hand this rank (``distribute_tensor`` onto its own mesh
-    and placements, ``src_data_rank=0``): the values depend neither on the sharding nor on other ranks'
-    generators, and every rank must call it. A plain tensor is the global tensor.
-    """
+    """Fill ``param`` in place with ``init`` of its global tensor; a DTensor keeps rank 0's draw (all ranks call)."""
     with torch.no_grad():
         if not isinstance(param, DTensor):
             init(param)
@@ -66,21 +55,14 @@ def fill_global_(param: torch.Tensor, init: Callable[[torch.Tensor], torch.Tenso
 
 
 class LoRAFactor(nn.Linear):
-    """``lora_A`` or ``lora_B``: a bias-free ``nn.Linear`` holding one adapter factor (PEFT's names and keys).
-
-    The owning LoRA layer initialises it (``reset_lora_parameters``: A at its global shape, B zeros), so its own
-    ``reset_parameters`` draws nothing. Otherwise the usual meta-device recipe, ``reset_parameters()`` on every
-    module after ``to_empty()``, would redraw B like a weight (the update would not start at zero), and the
-    constructor would draw from the generator an init it then overwrites.
-    """
+    """``lora_A`` or ``lora_B``: a bias-free ``nn.Linear`` holding one factor; its owning layer initialises it."""
 
     def reset_parameters(self) -> None:
         pass
 
 
 class LoRALayer(nn.Module):
-    """What every LoRA layer shares: frozen ``weight [out, in]`` (+ ``bias``), adapters ``lora_A [r, in]`` and
-    ``lora_B [out, r]``, their initialisation at global shapes, the merge switch and the per-signature plans."""
+    """Base of every LoRA layer: frozen ``weight``/``bias``, ``lora_A``/``lora_B``, their init, merge state, plans."""
 
     config: LoRAConfig
 
@@ -91,9 +73,9 @@ class LoRALayer(nn.Module):
         self._plans = Plans()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw W (``nn.Linear``'s default), zero the bias, then ``reset_lora_parameters``: the constructor's draws
-        in its order. This initialises a module built on the meta device, after ``to_empty()``; with the same
-        seed it gives the values the constructor would have. ``generator`` must be on the parameters' device."""
+        """Draw W, zero the bias, then ``reset_lora_parameters``: the constructor's values for the same seed.
+
+        For a module built on the meta device, after ``to_empty()``; ``generator`` on the parameters' device."""
         self._check_unmerged("reset_parameters")
         fill_global_(self.weight, lambda w: init_base_weight_(w, generator))
         if self.bias is not None:
@@ -109,18 +91,16 @@ class LoRALayer(nn.Module):
             local_tensor(self.lora_B.weight).zero_()
 
     def _call_plan(self, x: torch.Tensor, key_tensors: tuple, build: Callable[[], Plan]) -> Plan:
-        """The plan of ``x``'s call signature (``call_key`` of ``x`` and ``key_tensors``: W, bias, A, B as stored),
-        built by ``build()`` at its first call; built afresh while compiling or for an input it refuses."""
+        """The kept plan of ``x``'s call signature (``key_tensors``: W, bias, A, B as stored), else ``build()``."""
         if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta:
             return build()
         key = call_key(x, *key_tensors, self.training, id(self.config))
         return self._plans.get(key) or self._plans.keep(key, build())
 
     def _make_plan(self, x, weight, bias, lora_A, lora_B, k_offset: int = 0, comms: tuple = (None, None)) -> Plan:
-        """``make_plan`` under this layer's config and mode, on the tensors the op will see."""
         c = self.config
         return make_plan(x, weight, bias, lora_A, lora_B, c.scale, c.backend, c.dropout, self.training,
-                         c.dropout_position, k_offset, *comms)  # fmt: skip
+                         c.dropout_position, k_offset, *comms)
 
     def _check_unmerged(self, what: str) -> None:
         if self.merged:
@@ -132,10 +112,9 @@ class LoRALayer(nn.Module):
 
 
 class LoRALinear(LoRALayer):
-    """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device.
+    """``y = x W^T + b + s * (drop(x) A^T) B^T`` on one device: ``x [*, in]`` -> ``y [*, out]``, base output dtype.
 
-    Shapes: ``x [*, in]`` -> ``y [*, out]`` in the base output dtype (see ``parallel_lora._dtypes``).
-    """
+    Adapters ``lora_A.weight [r, in]``, ``lora_B.weight [out, r]`` (PEFT's names) in ``config.lora_dtype or W's``."""
 
     def __init__(
         self,
@@ -195,12 +174,10 @@ class LoRALinear(LoRALayer):
 
 def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
     if targets == "all-linear":
-        # PEFT's "all-linear" leaves the output projection alone (see iter_target_linears).
         return name.rsplit(".", 1)[-1] != "lm_head"
     if isinstance(targets, str):
         targets = (targets,)
-    # A target matches the full dotted path or any dotted suffix of it (PEFT's rule: "mlp.up" and "mlp.*"
-    # select "layers.0.mlp.up"); "*" in a glob may span dots.
+    # PEFT's rule: the full dotted name or any dotted suffix of it matches; "*" in a glob may span dots
     return any(
         name == t or name.endswith("." + t) or fnmatch.fnmatchcase(name, t) or fnmatch.fnmatchcase(name, "*." + t)
         for t in targets
@@ -208,23 +185,18 @@ def _matches(name: str, targets: tuple[str, ...] | str) -> bool:
 
 
 def iter_target_linears(model: nn.Module, config: LoRAConfig) -> Iterator[tuple[str, nn.Linear]]:
-    """``(dotted name, module)`` of every ``nn.Linear`` in ``model`` that ``config.target_modules`` selects,
-    subclasses included (``apply_lora`` adapts only the plain ones; see ``_skipped_subclass``)."""
-    # PEFT's "all-linear" leaves a Hugging Face model's output projection alone, whatever it is called
-    # (GPT-NeoX's is embed_out); _matches drops lm_head by name for other models.
+    """``(dotted name, module)`` of every ``nn.Linear`` (subclasses too) that ``config.target_modules`` selects."""
+    # PEFT's "all-linear" skips the output projection whatever its name (GPT-NeoX: embed_out), else lm_head
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) and config.target_modules == "all-linear" else None
     for name, module in model.named_modules():
-        # An adapter's own lora_A/lora_B (LoRAFactor) are nn.Linears too: never adapt them.
         if isinstance(module, nn.Linear) and not isinstance(module, LoRAFactor) and name and module is not head:
             if _matches(name, config.target_modules):
                 yield name, module
 
 
 def _skipped_subclass(module: nn.Linear) -> bool:
-    """An ``nn.Linear`` subclass may compute something else than ``x W^T + b`` in its forward (quantized,
-    fp8, or a weight read by its parent, like ``nn.MultiheadAttention``'s ``out_proj``), which ``LoRALinear``
-    would silently drop: such modules are left as they are and reported."""
+    """A subclass (quantized, fp8, ``MultiheadAttention.out_proj``) may not compute ``x W^T + b``: left alone."""
     return type(module) is not nn.Linear
 
 
@@ -235,13 +207,9 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn.Module:
-    """Swap every matching ``nn.Linear`` for a ``LoRALinear`` in place and freeze everything else, except the
-    adapters of an earlier call (call it again with another config for other modules, e.g. another rank).
+    """Swap matching ``nn.Linear``s for ``LoRALinear``s in place and freeze all else but earlier adapters.
 
-    Returns the model; ``model.lora_summary`` holds ``{"modules": [...], "trainable": n, "total": n}`` (the
-    modules this call adapted). The summary goes to the ``parallel_lora`` logger, at INFO (printed on rank 0
-    by default, see ``parallel_lora._log``), or at DEBUG with ``verbose=False``.
-    Raises ``ValueError`` (listing some module names) when nothing matches.
+    Returns the model with ``model.lora_summary``, logged at INFO (DEBUG unless ``verbose``); raises if none match.
     """
     selected = list(iter_target_linears(model, config))
     matched = [(n, m) for n, m in selected if not _skipped_subclass(m)]
@@ -253,8 +221,6 @@ def apply_lora(model: nn.Module, config: LoRAConfig, verbose: bool = True) -> nn
             f"apply_lora: no nn.Linear matches target_modules={config.target_modules!r}; "
             f"plain nn.Linear modules in this model include {linears or 'none'}{note}"
         )
-    # Freeze the base, but not the adapters of an earlier apply_lora (e.g. another rank for the MLP): whether
-    # those train is already settled.
     earlier = {id(f.weight) for _, m in lora_modules(model) for f in (m.lora_A, m.lora_B)}
     for p in model.parameters():
         if id(p) not in earlier:

@@ -1,27 +1,6 @@
-"""The fused Triton LoRA op on one device (one TP shard): which launches a forward and a backward make.
+"""The fused LoRA op on one device (one TP shard): operand checks, the choice of launches, the launches.
 
-Shapes and dtypes (all operands in ONE dtype, fp32/fp16/bf16; the caller casts, see ``parallel_lora._dtypes``):
-
-    forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
-              S = s * drop_post(drop_pre(x) A^T)          shrink kernel        (saved for backward)
-              y = x W^T + b + S B^T                        GEMM kernel, S B^T in the same fp32 accumulator
-              (on the TMA path S and y are one launch: S is produced on the GEMM's spare SMs)
-    backward  dy [M, N] (+ x, W, A, B, S)  ->  dx [M, K], dA [r, K], dB [N, r]   (no dW: W is frozen)
-              G  = s * drop_post(dy B)                     shrink kernel
-              dx = dy W + drop_pre(G A)                    GEMM kernel, mask on the LoRA term only
-              dA = G^T drop_pre(x),  dB = dy^T S            one launch, reductions over M (deterministic)
-              (on the TMA path dx, dA and dB are one launch: the reductions run on the GEMM's spare SMs; from
-              8192 tokens at r <= 32 without "pre" dropout, G's launch also writes dB's partial sums per row
-              block from its read of dy, and the dx launch sums those instead of reading dy again, while they
-              take at most 64 MiB: shrink_db)
-
-Accumulation is fp32 everywhere; every output is rounded once to the input dtype. Dropout masks are
-regenerated from ``dropout.seed`` in both passes (never stored): a ``[1]`` int64 tensor on the operands' device
-that the kernels read in device memory (an int seed is copied there first); p and s are runtime kernel arguments.
-The oracle is ``parallel_lora._eager``.
-
-Each op call is keyed by its operands' layouts (``forward_key`` / ``backward_key``); a layout's first call
-checks the operands and fills one ``launcher.Site`` per launch, and later calls launch the bound kernels.
+Operands in one dtype (fp32, fp16 or bf16); the math, the two paths and their launches: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -51,11 +30,10 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
-# The size labels of every operand, for error messages.
 _LABELS = {
     "x": ("M", "K"), "dy": ("M", "N"), "weight": ("N", "K"), "bias": ("N",), "lora_A": ("r", "K"),
     "lora_B": ("N", "r"), "s_lora": ("M", "r"),
-}  # fmt: skip
+}
 
 
 def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tuple[int, ...]]) -> None:
@@ -143,8 +121,7 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
 
 
 def mask_key(mode: str | None, k_offset: int) -> tuple | None:
-    """What of a call's active mask (``mode``: its position, None without one) its launches are compiled for: the
-    position, and for "pre" the parity of the shard's ``k_offset`` (``dropout_mask.drop_tile``)."""
+    """What launches compile for of a call's mask (``mode``, None without one): it and "pre"'s ``k_offset`` parity."""
     if mode is None:
         return None
     return mode, mode == "pre" and k_offset % 2 == 1
@@ -177,9 +154,7 @@ def backward_key(
     return _device_key(dy), *layouts, mask, *needs
 
 
-# (operand layouts, dropout mask_key, wanted grads) -> the op's launch sites, filled at the layout's first
-# call, for callers that hold no plan of their own (the compiled op, direct calls): a layout seen before passed
-# the checks already and launches its bound kernels. At most ``SITES_KEPT`` layouts each, the oldest going first.
+# launch sites by checked layout, for callers without a plan (the compiled op, direct calls)
 SITES_KEPT = 256
 _FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
 _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
@@ -203,13 +178,11 @@ def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _dx_takes_fused(dy: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Empty problems stay on the separate launches, which return without launching.
     return dy.numel() > 0 and weight.numel() > 0 and tma_compatible(dy, _dx_operand(weight)[0], weight.shape[1])
 
 
 def _prologue(scale: float, dropout: Dropout | None, key_of: Callable[..., tuple], operands: tuple, needs=()):
-    """A direct call's checks (at every call: the scalars are not part of a layout) -> ``(mode, p, seed, its "pre"
-    k_offset or 0, the sites key)``; the key is None where an operand is not a tensor (its checks say which)."""
+    """Check a direct call's scalars -> ``(mode, p, seed, "pre" k_offset or 0, sites key or None)``."""
     _check_call(scale, dropout, operands[0])
     if dropout is None or dropout.p == 0.0:  # p == 0 keeps every element: no mask at all
         mode, p, seed, k_offset = None, 0.0, None, 0
@@ -227,8 +200,7 @@ def forward_entry(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
     mode: str | None,
 ) -> tuple[Site, Site, bool | None]:
-    """Settle a checked forward layout's launches: ``(site, site, w_nk)`` (``w_nk`` None: the separate shrink and
-    GEMM launches, else how the fused launch reads W)."""
+    """A checked forward layout's launches: ``(site, site, w_nk)``, ``w_nk`` None for separate launches."""
     _check_kernel(x, lora_A)
     return Site(), Site(), _y_operand(weight)[1] if _y_takes_fused(x, weight, lora_A, mode) else None
 
@@ -244,17 +216,16 @@ def run_forward(
         return lora_shrink_gemm(
             x, weight if w_nk else weight.t(), w_nk, bias, lora_A.t(), lora_B.t(), scale, drop_post=mode == "post",
             **drop_kw, site=site_s,
-        )  # fmt: skip
+        )
     s_lora = lora_shrink(
         x, lora_A.t(), scale, drop_pre=mode == "pre", drop_post=mode == "post", k_offset=k_offset, **drop_kw,
         site=site_s,
-    )  # fmt: skip
+    )
     return lora_gemm(x, weight.t(), bias, s_lora, lora_B.t(), site=site_y), s_lora
 
 
 def forward(x, weight, bias, lora_A, lora_B, scale, dropout=None):
-    """The op for callers without a plan: ``x [M, K]``, ``W [N, K]``, ``b [N] | None``, ``A [r, K]``, ``B [N, r]`` in
-    one dtype, ``dropout`` a ``Dropout`` or None -> ``(y [M, N], S [M, r])``."""
+    """Without a plan: ``x [M, K]``, ``W [N, K]``, ``b [N]``, ``A [r, K]``, ``B [N, r]`` -> ``y [M, N], S [M, r]``."""
     mode, p, seed, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
     entry = _FORWARD_SITES.get(key)
     fresh = entry is None
@@ -271,7 +242,7 @@ def backward_entry(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
     s_lora: torch.Tensor, mode: str | None, needs_dx: bool, needs_dA: bool, needs_dB: bool,
 ) -> tuple:
-    """Settle a checked backward layout's launches: ``(site, site, site, w_nk, db_in_g)``."""
+    """A checked backward layout's launches: ``(site, site, site, w_nk, db_in_g)``."""
     _check_kernel(x, lora_A)
     fused = needs_dx and (needs_dA or needs_dB) and _dx_takes_fused(dy, weight)
     # Not under "pre" dropout: there the masked dA items set the launch's tail, and dB's are no longer in it.
@@ -284,28 +255,24 @@ def run_backward(
     lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None,
     k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool, grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The launches of a checked layout (``backward_entry``), with the forward's ``p``, ``seed`` and ``mode``; dA and
-    dB in ``grad_dtype`` (default: the operands')."""
+    """The launches of a checked layout (``backward_entry``); dA and dB in ``grad_dtype`` (default: the operands')."""
     site_g, site_dx, site_ab, w_nk, db_in_g = entry
     pre = mode == "pre"
     drop_kw = {} if mode is None else {"p": p, "seed": seed}
     dx = dA = dB = None
     g, pdb, blocks = None, None, 0
     if db_in_g:
-        # G and dB's partials from one read of dy: the dx launch then sums those instead of reading dy for dB.
         g, pdb, blocks = lora_shrink_db(dy, lora_B, s_lora, scale, drop_post=mode == "post", **drop_kw, site=site_g)
     elif needs_dx or needs_dA:
         g = lora_shrink(dy, lora_B, scale, drop_post=mode == "post", **drop_kw, site=site_g)
     if w_nk is not None:
-        # Two launches: G, then dx with both adapter gradients on the GEMM's spare SMs.
         dx, dA, dB = lora_dx_and_grads(
             dy, weight.t() if w_nk else weight, w_nk, g, lora_A, x if needs_dA else None,
             s_lora if needs_dB and not db_in_g else None, lora_drop=pre, k_offset=k_offset, db_partials=pdb,
             db_parts=blocks, out_dtype=grad_dtype, **drop_kw, site=site_dx,
-        )  # fmt: skip
+        )
         return dx, dA, dB
-    # Three launches at most. The long dx GEMM goes right after the G it needs, so the GPU is busy with it
-    # while the host (autograd's device thread, slower than the main one) issues the adapter gradients.
+    # dx before the adapter grads: the GPU runs the long GEMM while the host issues them (docs/kernels.md)
     if needs_dx:
         dx = lora_gemm(dy, weight, None, g, lora_A, lora_drop=pre, n_offset=k_offset, **drop_kw, site=site_dx)
     if needs_dA or needs_dB:
@@ -313,14 +280,13 @@ def run_backward(
             x if needs_dA else None, g if needs_dA else None, dy if needs_dB else None,
             s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, out_dtype=grad_dtype, **drop_kw,
             site=site_ab,
-        )  # fmt: skip
+        )
     return dx, dA, dB
 
 
 def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_dx=True, needs_dA=True, needs_dB=True,
-             grad_dtype=None):  # fmt: skip
-    """The op's backward for callers without a plan: ``dy [M, N]`` and the forward's operands and ``dropout`` ->
-    ``(dx, dA, dB)``, None where not wanted; dA, dB in ``grad_dtype`` (default dy's)."""
+             grad_dtype=None):
+    """The backward without a plan: ``dy [M, N]``, the forward's operands -> ``(dx, dA, dB)``, None where unwanted."""
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
     needs = (needs_dx, needs_dA, needs_dB)
     mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, (*needs, grad_dtype))

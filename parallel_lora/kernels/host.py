@@ -1,5 +1,4 @@
-"""Host-side arithmetic the launchers share: whether Triton interprets, ceiling division, powers of two, the rank
-tile, dot options, the dropout scales and the seed pointer."""
+"""Host-side arithmetic the launchers share."""
 
 from __future__ import annotations
 
@@ -9,16 +8,12 @@ import torch
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
-
-    Triton fixes the mode of each ``@triton.jit`` when it is defined, so set it before importing
-    ``parallel_lora.kernels``; read at every call (the kernels ask only at a launch layout's first call).
-    """
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, set before importing them)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division of host-side ints (``triton.cdiv`` costs a Python call chain per use)."""
+    """Ceiling division of host-side ints, cheaper than ``triton.cdiv``."""
     return -(-a // b)
 
 
@@ -41,12 +36,7 @@ def pad_rank(r: int) -> int:
 
 
 def dot_options(dtype: torch.dtype) -> dict[str, object]:
-    """Constexprs that choose how ``tl.dot`` treats this dtype's tiles.
-
-    ``UPCAST``: the interpreter's ``tl.dot`` returns garbage on bf16 operands, so when interpreting the
-    tiles are cast to fp32 first; the GPU path never pays for it. ``DOT_PRECISION``: fp32 operands use
-    ``"ieee"`` (not tf32) so the fp32 path matches an fp64 reference tightly; it is ignored for 16-bit.
-    """
+    """``tl.dot``'s constexprs for ``dtype``: ``UPCAST`` (16-bit tiles to fp32, interpreter only), ``DOT_PRECISION``."""
     return {
         "UPCAST": interpreting() and dtype != torch.float32,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
@@ -54,19 +44,15 @@ def dot_options(dtype: torch.dtype) -> dict[str, object]:
 
 
 def keep_scale(p: float, masked: bool) -> float:
-    """``1/(1-p)``, the factor of the elements a mask keeps, where this launch applies the mask (``masked``), else
-    1: the kernels only zero the dropped elements and scale by this once."""
+    """``1/(1-p)``, the factor of kept elements, where this launch applies the mask (``masked``), else 1."""
     return 1.0 / (1.0 - p) if masked else 1.0
 
 
 def shrink_scale(scale: float, p: float, masked: bool) -> float:
-    """The factor ``c`` of ``S = c * drop(...)``: ``scale / (1 - p)`` where this launch applies the mask (``masked``),
-    else ``scale``; ``keep_scale`` folded into ``scale`` once."""
+    """The ``c`` of ``S = c * drop(...)``: ``scale / (1 - p)`` where this launch masks (``masked``), else ``scale``."""
     return scale / (1.0 - p) if masked else scale
 
 
 def seed_arg(seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    """A kernel's ``seed_ptr`` argument: the call's seed (``[1]`` int64 on the launch's device), read in device
-    memory once per program (``dropout_mask.mask_keys``), so one compiled kernel serves every seed and a CUDA graph
-    replays with the seed of each replay; without a mask, ``fallback`` (a tensor of the launch), never read."""
+    """A kernel's ``seed_ptr``: the call's ``[1]`` int64 seed, or without a mask ``fallback`` (never read)."""
     return fallback if seed is None else seed

@@ -1,21 +1,4 @@
-"""How every kernel is launched: written once, here.
-
-Triton's own launch path binds and specializes every argument at each call, which costs more host time than
-the small kernels here run for. So a launch is bound once and then called directly:
-
-    launch(site, tensors, runtime, describe, *how)     the one entry of every launcher
-      site filled   -> site.bound.launch(tensors, runtime)              (the hit path: nothing else)
-      site empty    -> spec, kernel, signature, build = describe(*how)
-                       bind(spec, kernel, signature, tensors, runtime, build)
-                         signature bound before -> its Bound launches
-                         new signature          -> build(), the tuned config (``tuning``), Triton's launch path,
-                                                   then bind its compiled kernel at the grid
-                       fill the site
-
-A ``Site`` is one launch of the op (``dispatch``) for one operand layout; a signature is a launcher's summary of
-what its launch depends on but addresses and runtime scalars. Tests stub or record launches through ``bind``.
-Under the interpreter nothing is compiled: a Bound calls the kernel through Triton with ``KernelSpec.interp``.
-"""
+"""How every kernel is launched: the first call of a layout binds its kernel (``bind``), later calls run it."""
 
 from __future__ import annotations
 
@@ -37,24 +20,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Bound:
-    """A kernel bound to one launch signature: its compiled kernel called at a fixed grid, the size and stride
-    arguments, and the constexpr tail (the call's constexprs and the tuned config). Under the interpreter,
-    ``run`` calls the kernel through Triton with the one interpreter config (no tail)."""
+    """A kernel bound to one signature at a fixed grid: ``run(*tensors, *static, *runtime, *tail)``."""
 
-    name: str  # the KernelSpec's name
-    run: Callable  # the compiled kernel's runner at this grid
-    static: tuple  # the sizes and strides, between the tensors and the runtime scalars
-    tail: tuple  # constexpr values, in the kernel's argument order after the runtime scalars
+    name: str
+    run: Callable
+    static: tuple
+    tail: tuple
 
     def launch(self, tensors: tuple, runtime: tuple) -> None:
-        """Launch on new tensors of the bound layout (only their addresses are read) and runtime scalars."""
+        """Launch on new tensors of the bound layout and new runtime scalars."""
         self.run(*tensors, *self.static, *runtime, *self.tail)
 
 
 class Site:
-    """One launch of the op (``dispatch``) for one operand layout: filled at the layout's first call (``bound``,
-    plus the launcher's own layout-derived choices in ``info``); later calls launch ``bound`` directly, skipping
-    its signature, its checks and the ``_BOUND`` lookup."""
+    """One launch of the op for one operand layout: ``bound`` and the launcher's ``info``, filled at its first call."""
 
     __slots__ = ("bound", "info")
 
@@ -64,14 +43,8 @@ class Site:
 
 
 def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable, *how, info: tuple = ()) -> None:
-    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)`` for one layout.
-
-    ``tensors`` are the pointer arguments (first in the kernel's signature), ``runtime`` the scalars it never
-    specializes on (floats and ``do_not_specialize`` ints: dropout p and seed, scale, offsets; last). A filled
-    ``site`` launches its Bound. Otherwise ``describe(*how) -> (spec, kernel, signature, build)`` says what to
-    launch (``bind``), and ``site`` keeps the Bound with ``info``, the launcher's choices that it needs before
-    this call (workspace sizes).
-    """
+    """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``: a filled ``site``'s Bound, else ``bind`` what
+    ``describe(*how) -> (spec, kernel, signature, build)`` names and keep it in ``site`` with ``info``."""
     if site is not None:
         bound = site.bound
         if bound is not None:
@@ -84,24 +57,18 @@ def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable
 
 
 def site_info(site: Site | None, compute: Callable[..., tuple], *args) -> tuple:
-    """A launcher's layout-derived choices (workspace sizes): ``site.info`` once ``site`` is filled, else
-    ``compute(*args)``, which ``launch`` then keeps in the site (its ``info``)."""
+    """A launcher's layout-derived choices (workspace sizes): a filled ``site``'s ``info``, else ``compute(*args)``."""
     if site is not None and site.bound is not None:
         return site.info
     return compute(*args)
 
 
-# (spec, kernel, device, signature, tensors' 16-byte alignment) -> Bound. One entry per exact shape: a new token
-# count costs one launch through Triton's path (its binary is shared by the Ms Triton specializes alike; its
-# config by the bucket). Two threads binding one signature at once store equal entries.
-# At most ``BOUND_KEPT`` signatures are kept.
 BOUND_KEPT = 1024
 _BOUND: dict[tuple, Bound] = {}
 
 
 def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int]) -> Callable | None:
-    """``compiled`` launched at grid ``g`` on the current stream through its launcher alone, skipping the per-call
-    device, stream and hook lookups of ``compiled[g]``; None where launch hooks are set (a profiler's)."""
+    """``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups; None under launch hooks."""
     knobs = getattr(triton, "knobs", None)
     hooks = [getattr(knobs.runtime, h, None) for h in ("launch_enter_hook", "launch_exit_hook")] if knobs else [1]
     packed = getattr(compiled, "packed_metadata", None)
@@ -119,10 +86,9 @@ def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, i
 
 
 def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple) -> tuple:
-    """The ``_BOUND`` key of a launch on the current device."""
-    # Triton specializes pointer arguments on 16-byte alignment: a misaligned view needs its own binary.
+    """The ``_BOUND`` key of a launch on the current device, with each pointer's 16-byte alignment."""
     return (spec.name, kernel.__name__, torch.cuda.current_device(), signature,
-            tuple([t.data_ptr() % 16 == 0 for t in tensors]))  # fmt: skip
+            tuple([t.data_ptr() % 16 == 0 for t in tensors]))
 
 
 def bind(
@@ -130,12 +96,7 @@ def bind(
 ) -> Bound:
     """Launch ``kernel`` for ``signature`` and return the ``Bound`` that launches it again.
 
-    ``signature`` is the launcher's cheap summary of everything but addresses and runtime scalars (sizes,
-    strides, dtypes, constexpr flags): two calls with equal signatures must get equal ``build()`` results.
-    ``build() -> (static, grid, consts)`` gives the size and stride arguments, the grid (a function of the
-    config) and the call's constexprs; it runs at a signature's first launch only. On GPU that launch tunes
-    (per size bucket: ``tuning.launch_tuned``) and binds the compiled kernel; later ones call it directly.
-    """
+    ``build() -> (static, grid, consts)`` runs at a signature's first launch; equal signatures must build alike."""
     if interpreting():
         static, grid, consts = build()
         cfg = spec.interp
@@ -157,7 +118,6 @@ def bind(
     tune = with_descriptor_scratch(launch_tuned) if descriptors else launch_tuned
     compiled, cfg = tune(spec, kernel, grid, args, consts)
     if not isinstance(compiled, triton.compiler.CompiledKernel):
-        # A Triton that hands back no compiled kernel: later calls of this Bound go through its own path.
         run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
         return Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, ())
     meta = {**consts, **cfg.kwargs}
@@ -166,4 +126,4 @@ def bind(
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = direct_launch(compiled, g) or compiled[g]
     bound = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
-    return keep_at_most(_BOUND, key, bound, BOUND_KEPT)  # an evicted Bound lives on in the Sites that hold it
+    return keep_at_most(_BOUND, key, bound, BOUND_KEPT)

@@ -1,10 +1,4 @@
-"""The fused LoRA op as torch.compile sees it: ``parallel_lora::lora_forward`` and ``parallel_lora::lora_backward``.
-
-    lora_forward   x [M, K], W [N, K], b [N] | None, A [r, K], B [N, r]  ->  y [M, N], S [M, r]
-    lora_backward  dy [M, N], x, W, A, B, S  ->  dx [M, K], dA [r, K], dB [N, r]   (a gradient not asked for: [0])
-
-Operands in one dtype; the implementations are ``dispatch.forward`` / ``dispatch.backward``.
-"""
+"""``parallel_lora::lora_forward`` / ``lora_backward``: ``dispatch.forward`` / ``backward`` as torch custom ops."""
 
 from __future__ import annotations
 
@@ -13,7 +7,7 @@ from torch.library import custom_op
 
 from .._dropout import Dropout
 
-_KERNELS: list = []  # the dispatch module, imported (with Triton) at the first fused call
+_KERNELS: list = []
 
 
 def dispatch_module():
@@ -27,10 +21,10 @@ def dispatch_module():
 
 # The op's one signature: a call's ``Dropout`` travels as (p, seed, position, k_offset), p = 0 without one.
 FORWARD = ("(Tensor x, Tensor weight, Tensor? bias, Tensor lora_A, Tensor lora_B, float scale, float p, Tensor? seed, "
-           "str position, int k_offset) -> (Tensor, Tensor)")  # fmt: skip
+           "str position, int k_offset) -> (Tensor, Tensor)")
 BACKWARD = ("(Tensor dy, Tensor x, Tensor weight, Tensor lora_A, Tensor lora_B, Tensor s_lora, float scale, float p, "
             "Tensor? seed, str position, int k_offset, bool needs_dx, bool needs_dA, bool needs_dB, "
-            "ScalarType? grad_dtype=None) -> (Tensor, Tensor, Tensor)")  # fmt: skip
+            "ScalarType? grad_dtype=None) -> (Tensor, Tensor, Tensor)")
 
 
 def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) -> Dropout | None:

@@ -1,27 +1,6 @@
-"""Column- and row-parallel LoRA linears: DTensor parameters, Megatron-style plain-tensor I/O.
+"""Column- and row-parallel LoRA linears: DTensor parameters, plain local tensors in and out (Megatron's I/O).
 
-Per rank (``tp`` ranks, ``M`` tokens, ``K = in``, ``N = out``), layouts from ``parallel_lora.tp._layouts``:
-
-column  x [*, K] full (SP: [.., S/tp, .., K])  ->  y_local [*, N/tp]
-        fwd: none (SP: all-gather x, once for base and LoRA)
-        bwd: dx_i = dy_i W_i + s (dy_i B_i) A, summed by ONE all-reduce (SP: reduce-scatter);
-             dA is a Partial sum over ranks, all-reduced once; dB_i is complete
-row     x_local [*, K/tp]  ->  y [*, N] full (SP: [.., S/tp, .., N])
-        fwd: partial_i = x_i W_i^T + s (x_i A_i^T) B^T, summed by ONE all-reduce (SP: reduce-scatter),
-             bias added once after it
-        bwd: none on activations (SP: the base's all-gather of dy); dB is a Partial sum, all-reduced once
-
-Every rank canonicalizes dtypes like the single-device op and runs the same backend on its shards.
-Activation collectives run in the compute (base output) dtype; adapter-gradient reductions in the
-adapter dtype. Because W is frozen, a column layer under SP saves only its local sequence shard of x.
-The activation collectives run inside ``LoRAFunction`` (``parallel_lora.tp._comm``), the adapter shards
-come from one autograd node (``comm.adapter_shards``), and a one-rank group issues no collective. Under
-torch.compile(fullgraph=True) the layers trace whole: functional collectives, the same ones in the same places.
-
-Dropout seeds come from each rank's default generator (``parallel_lora._dropout.DropoutStream``), so the TP ranks
-of a layer draw one mask only if their generators are in the same state: seed them alike (torchtitan and Megatron
-do) and let them run the same random ops. Each TP group adds its own offset to the seeds, so data-parallel
-replicas draw apart.
+Per-rank shapes and the collectives of each phase: docs/tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -72,8 +51,7 @@ def rank_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _mesh_device(mesh: DeviceMesh, device: torch.device | str | None = None) -> torch.device:
-    """Where the module's tensors live: ``device``, else the meta device inside ``with torch.device("meta")``,
-    else the mesh's device (the current CUDA device for a CUDA mesh)."""
+    """``device`` (checked against the mesh), else meta under ``with torch.device("meta")``, else the mesh's."""
     if device is None and torch.get_default_device().type == "meta":
         device = "meta"
     if device is None:
@@ -107,8 +85,7 @@ class _ParallelLoRALinear(LoRALayer):
         _check_mesh(mesh)
         self._check_divisible(in_features, out_features, mesh.size())
         device = _mesh_device(mesh, device)
-        # Draw the *global* tensors in LoRALinear's order (W, then A) so one seed gives the same full layer at
-        # every TP size, then let rank 0's values be scattered/broadcast.
+        # the global tensors in LoRALinear's order, so one seed gives one full layer at every TP size
         full = LoRALinear(in_features, out_features, config, bias=bias, dtype=dtype, device=device)
         self._distribute_from(full, mesh, sequence_parallel, sequence_dim)
 
@@ -134,8 +111,7 @@ class _ParallelLoRALinear(LoRALayer):
     def from_lora_linear(
         cls, module: LoRALinear, mesh: DeviceMesh, sequence_parallel: bool = False, *, sequence_dim: int = 1
     ) -> _ParallelLoRALinear:
-        """Shard a full ``LoRALinear`` *in place* (its adapter values from rank 0) and return it: ``parallelize_module``
-        keeps the module object a style is given, so the style converts that object."""
+        """Shard a full ``LoRALinear`` in place (adapters from rank 0) and return it, as ``parallelize_module`` uses."""
         cls._check_shardable(module, mesh)
         module.__class__ = cls
         module._distribute_from(module, mesh, sequence_parallel, sequence_dim)
@@ -163,10 +139,8 @@ class _ParallelLoRALinear(LoRALayer):
         lora_A, lora_B = src.lora_A.weight.detach(), src.lora_B.weight.detach()
         self.in_features, self.out_features, self.config = src.in_features, src.out_features, src.config
         self.mesh, self.sequence_parallel, self.sequence_dim = mesh, sequence_parallel, sequence_dim
-        self.grad_sync = True  # False inside no_sync(): replicated-factor grads stay local Partial sums
+        self.grad_sync = True
         self._deferred_grad = DeferredGradReduction()
-        # Different TP groups (data-parallel replicas) see different rows: each draws its seeds at its own offset,
-        # keyed by the global rank of the group's first member.
         group_id = int(mesh.mesh.flatten()[0].item())
         self._init_state(DropoutStream(offset=group_id * _SEED_STRIDE % SEED_BOUND))
 
@@ -179,7 +153,6 @@ class _ParallelLoRALinear(LoRALayer):
         self.lora_A.weight = param(lora_A, layout.lora_A, True)
         self.lora_B.weight = param(lora_B, layout.lora_B, True)
 
-    # -- helpers -------------------------------------------------------------------------------------------
     @property
     def tp_size(self) -> int:
         return self.mesh.size()
@@ -222,8 +195,7 @@ class _ParallelLoRALinear(LoRALayer):
         return f"in_features={self.in_features}"
 
     def _seq_dim(self, x: torch.Tensor) -> int:
-        """The dim of ``x`` that sequence parallelism shards: ``sequence_dim``, except for a 2-D ``[tokens, hidden]``
-        input, whose only candidate is dim 0 (Megatron's flattened sequence-first layout)."""
+        """The dim of ``x`` that SP shards: ``sequence_dim``, but 0 for a 2-D ``[tokens, hidden]`` input."""
         return 0 if x.dim() == 2 else self.sequence_dim
 
     def _lora(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -233,7 +205,6 @@ class _ParallelLoRALinear(LoRALayer):
         plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias))
         group = self._group()
         replicated = LAYOUTS[self.kind].replicated_factor
-        # The replicated factor's gradient is all-reduced (in its own dtype) once per optimizer step.
         reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)
         a_local, b_local = adapter_shards(A, B, replicated, group, reduce)
         seed = self._dropout_stream.next_seed(x) if plan.p else None
@@ -253,17 +224,9 @@ class _ParallelLoRALinear(LoRALayer):
 
 
 class ColumnParallelLoRALinear(_ParallelLoRALinear):
-    """Column-parallel LoRA linear: ``W`` Shard(0), ``A`` Replicate, ``B`` Shard(0), bias Shard(0).
+    """Column-parallel LoRA linear: ``x [*, in]`` (SP: a sequence shard) -> ``[*, out/tp]`` in the base output dtype.
 
-    Input ``[*, in]`` (full; sequence shard along ``sequence_dim`` with SP) -> output ``[*, out/tp]`` in the
-    base output dtype. Under SP a 2-D input ``[tokens/tp, in]`` is sharded along dim 0, whatever
-    ``sequence_dim`` says (its other dim is the hidden one). Forward issues no collective (SP: one all-gather
-    of x); backward one all-reduce of dx carrying base and LoRA terms together (SP: one reduce-scatter, plus
-    one all-gather of the saved x shard for dA) and one all-reduce of dA.
-
-    With dropout, the TP ranks' default generators must be seeded alike: each rank draws its call's seed from its
-    own, and the ranks drop one mask only if they draw the same seed.
-    """
+    ``W``, ``B`` and bias Shard(0), ``A`` replicated. With dropout, seed the TP ranks' generators alike."""
 
     kind = "column"
 
@@ -288,15 +251,9 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
 
 
 class RowParallelLoRALinear(_ParallelLoRALinear):
-    """Row-parallel LoRA linear: ``W`` Shard(1), ``A`` Shard(1), ``B`` Replicate, bias Replicate.
+    """Row-parallel LoRA linear: ``x [*, in/tp]`` -> ``[*, out]`` (SP: a sequence shard) in the base output dtype.
 
-    Input ``[*, in/tp]`` -> output ``[*, out]`` (sequence shard with SP: along dim 0 for a 2-D ``[tokens,
-    in/tp]`` input, else along ``sequence_dim``) in the base output dtype. The LoRA partial joins the base
-    partial before the one all-reduce (SP: reduce-scatter); the bias is added once after it. Backward issues
-    no activation collective (SP: the base's all-gather of dy) and one all-reduce of dB.
-
-    With dropout, the TP ranks' default generators must be seeded alike (as for ``ColumnParallelLoRALinear``).
-    """
+    ``W`` and ``A`` Shard(1), ``B`` and bias replicated. With dropout, seed the TP ranks' generators alike."""
 
     kind = "row"
 
@@ -333,33 +290,22 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor parameter. A frozen one has no gradient to route, so it is the tensor
-    ``to_local()`` returns under ``no_grad``, taken without the grad-mode switch (host time at every forward)."""
+    """A DTensor parameter's local tensor; a frozen one skips ``to_local()``'s grad-mode switch (host time)."""
     if param.requires_grad:
         return param.to_local()
     return param._local_tensor
 
 
 def parallel_lora_modules(model: nn.Module) -> Iterator[_ParallelLoRALinear]:
+    """Every tensor-parallel LoRA layer in ``model``."""
     return (m for m in model.modules() if isinstance(m, _ParallelLoRALinear))
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Defer the replicated-factor gradient all-reduces of every parallel LoRA layer in ``model``.
+    """Defer the replicated-factor gradient all-reduces of ``model``'s TP LoRA layers to the next synced backward.
 
-    Backwards inside the context leave those gradients as local Partial sums; the first backward after it
-    reduces them together with its own contribution in the same single all-reduce, run by a hook once autograd
-    has accumulated them in ``.grad``. Use it for all but the last micro-step of gradient accumulation, each
-    micro-step's forward and backward inside it (the layers decide in the forward), eager or compiled::
-
-        for i, batch in enumerate(micro_batches):
-            ctx = no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
-            with ctx:
-                loss_fn(model(batch)).backward()
-
-    Every micro-step's backward must have run before the synced step's forward.
-    """
+    Run each micro-step but the last inside it, its forward and its backward; see docs/tensor_parallel.md."""
     modules = list(parallel_lora_modules(model))
     previous = [m.grad_sync for m in modules]
     for m in modules:
