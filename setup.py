@@ -1,4 +1,13 @@
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPy(build_py):
+    """Leaves launch/'s tests (``launch/test_*.py``) out of the wheel: they need the checkout's tests/ helpers."""
+
+    def find_package_modules(self, package, package_dir):
+        return [m for m in super().find_package_modules(package, package_dir) if not m[1].startswith("test_")]
+
 
 TRAIN = ["tqdm", "matplotlib", "pyyaml"]  # the main job's progress bar, loss plot, --config and config.yaml
 HF = ["transformers>=4.56", "tokenizers"]  # parallel_lora.hf: Hugging Face checkpoints and their TP plans
@@ -17,6 +26,7 @@ setup(
         "triton>=3.2; platform_system == 'Linux'",
         "safetensors>=0.4",
     ],
+    cmdclass={"build_py": BuildPy},
     entry_points={"console_scripts": ["parallel-lora = launch.command:main"]},
     extras_require={
         "train": TRAIN,

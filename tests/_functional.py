@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _reference import assert_close
 
 from parallel_lora import lora_linear
+from tests._reference import assert_close
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 BACKENDS = ("torch", "triton")

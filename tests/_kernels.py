@@ -1,8 +1,8 @@
-"""Shared helpers of the ``tests/test_kernels_*.py`` files (the fused Triton LoRA op, ``parallel_lora.kernels``).
+"""Shared helpers of the ``tests/kernels/`` tests (the fused Triton LoRA op, ``parallel_lora.kernels``).
 
 Reference: ``parallel_lora._eager`` (the oracle), run in fp64 on the *same* inputs (the kernel's inputs cast
 up exactly), with the same ``Dropout``. On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
-set by ``conftest``), so the shapes are small; ``tests/test_kernels_gpu.py`` runs the real shapes on CUDA.
+set by ``conftest``), so the shapes are small; ``tests/kernels/test_gpu.py`` runs the real shapes on CUDA.
 
 Errors are measured elementwise against the magnitude of the terms each element sums,
 ``|out - ref| <= tol * mag`` with ``mag`` the same oracle run on ``|inputs|`` (dropout masks and scales are

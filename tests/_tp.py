@@ -1,4 +1,4 @@
-"""What the tensor-parallel layer tests share (``tests/test_tp_*.py``, gloo on CPU at tp = 1, 2 and 4).
+"""What the tensor-parallel layer tests share (``tests/tp/``, gloo on CPU at tp = 1, 2 and 4).
 
 Reference: the single-device ``LoRALinear`` pair built from the *same full tensors* (``.full_tensor()`` of
 every DTensor parameter), cast to float64 (a bf16 base is bf16-rounded first, so the reference sees exactly
@@ -20,7 +20,7 @@ Exact (bitwise) where nothing is reduced or rounded: initialization, frozen base
 replicated factors across ranks. Each numeric test also shows its check can fail (the same comparison
 against the base-only output, a perturbed replica, the un-offset mask, the full-x byte count).
 
-Dropout seeds are read by recording each LoRA call's plan and seed (``test_tp_dropout.recording_dropouts``);
+Dropout seeds are read by recording each LoRA call's plan and seed (``tp/test_layers_dropout.recording_dropouts``);
 the reference rebuilds the full-width mask from that seed with ``k_offset = 0``. Every rank's generator is
 seeded alike, as the layers require.
 
@@ -36,7 +36,6 @@ import copy
 import dataclasses
 from collections import Counter
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear
+from tests import _dist
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 K, H, N, R = 16, 24, 16, 3  # in, hidden (column out = row in), out, LoRA rank

@@ -7,11 +7,9 @@ import os
 import re
 from pathlib import Path
 
-import _adapters
 import pytest
 import torch
 import torch.nn as nn
-from _adapters import adapted, adapter_state, base_model
 from safetensors.torch import load_file, save_file
 
 from parallel_lora import (
@@ -25,6 +23,8 @@ from parallel_lora import (
     save_checkpoint,
 )
 from parallel_lora._checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from tests import _adapters
+from tests._adapters import adapted, adapter_state, base_model
 
 
 def test_round_trip_restores_adapters_exactly(tmp_path):

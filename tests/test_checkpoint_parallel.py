@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
-from _dist import mesh, run_ranks
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -32,6 +31,7 @@ from parallel_lora import (
     save_checkpoint,
 )
 from parallel_lora._checkpoint import ADAPTER_WEIGHTS
+from tests._dist import mesh, run_ranks
 
 CONFIG = LoRAConfig(r=3, alpha=6, lora_dtype=torch.float32)
 

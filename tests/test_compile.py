@@ -19,13 +19,11 @@ import copy
 import dataclasses
 from collections import Counter
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _seeds import given_seeds, recording_seeds
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.debug import CommDebugMode
@@ -33,6 +31,8 @@ from torch.utils.checkpoint import checkpoint
 
 import parallel_lora.tp._comm as comm
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear, no_sync
+from tests import _dist
+from tests._seeds import given_seeds, recording_seeds
 
 F32, BF16 = torch.float32, torch.bfloat16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,6 +1,6 @@
 """Tests for ``parallel_lora._dropout``: the counter-based mask hash, on the torch side (CPU).
 
-The Triton transcription is checked bit for bit against this one in ``tests/test_kernels_dropout_mask.py``; here
+The Triton transcription is checked bit for bit against this one in ``tests/kernels/test_dropout_mask.py``; here
 the hash's arithmetic is checked against plain Python integers, and its statistics against those of independent
 fair coins, on ~1M elements: a bad hash (a weak combine of row and column, a seed word that does not reach the
 mask, a period along an axis, seeds that only permute the mask) fails these. The hash is deterministic, so the

@@ -9,10 +9,10 @@ import sys
 import time
 
 import torch
-from _adapters import adapted, base_model
 
 from parallel_lora import latest_checkpoint, save_adapter, save_checkpoint
 from parallel_lora._files import HOST, remove_stale_temporaries, replace_file, writer_gone
+from tests._adapters import adapted, base_model
 
 
 def _dead_pid() -> int:

@@ -20,7 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
+
+import parallel_lora._eager as eager
+from parallel_lora import lora_linear
+from parallel_lora.functional import resolve_backend
+from tests._functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
     BACKENDS,
     BF16,
     F16,
@@ -41,11 +45,7 @@ from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, u
     needs_cuda,
     run_op,
 )
-from _reference import GPU_BF16, TOLERANCES, assert_close, lora_reference
-
-import parallel_lora._eager as eager
-from parallel_lora import lora_linear
-from parallel_lora.functional import resolve_backend
+from tests._reference import GPU_BF16, TOLERANCES, assert_close, lora_reference
 
 CASES = [
     # plain: x already in the base dtype

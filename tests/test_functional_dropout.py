@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
+
+from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
+from tests._functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
     BACKENDS,
     BF16,
     F32,
@@ -30,9 +32,7 @@ from _functional import (  # noqa: F401  (_backend_device: an autouse fixture, u
     run_op,
     triton_device,
 )
-from _reference import assert_close, lora_reference
-
-from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
+from tests._reference import assert_close, lora_reference
 
 # ---------------------------------------------------------------------------------------------------------
 # Dropout (on the LoRA branch only; the mask is a function of (seed, row, column)).

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _functional import FP32, SCALE, K, M, N, R, make_inputs
 
 from parallel_lora import lora_linear
 from parallel_lora.functional import resolve_backend
+from tests._functional import FP32, SCALE, K, M, N, R, make_inputs
 
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: clear errors before any compute.

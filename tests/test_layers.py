@@ -3,7 +3,7 @@
 Reference: the wrapped ``nn.Linear`` itself (``B = 0`` at init, so the LoRA layer must reproduce it bit for
 bit on the eager path), PEFT's conventions (``lora_A.weight [r, in]``, ``lora_B.weight [out, r]``, A from
 ``kaiming_uniform_(a=sqrt(5))``), the distributions named in ``LoRAConfig.init_A``'s docstring, and a plain eager
-step for a checkpointed one. ``apply_lora`` is in tests/test_apply_lora.py.
+step for a checkpointed one. ``apply_lora`` is in tests/test_layers_apply_lora.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from _recipes import reset_every_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel_lora import LoRAConfig, LoRALinear, merge_lora
 from parallel_lora._dropout import CallSeeds
+from tests._recipes import reset_every_module
 
 F32, BF16 = torch.float32, torch.bfloat16
 

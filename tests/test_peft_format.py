@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from _adapters import TARGETS, adapted, adapter_state, base_model
 from safetensors.torch import load_file
 
 from parallel_lora import (
@@ -17,6 +16,7 @@ from parallel_lora import (
     save_adapter,
 )
 from parallel_lora._checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from tests._adapters import TARGETS, adapted, adapter_state, base_model
 
 
 def test_saved_file_has_peft_keys_shapes_and_config(tmp_path):

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import (
+
+from parallel_lora import kernels
+from parallel_lora._dropout import Dropout, seed_tensor
+from parallel_lora.kernels import workspace
+from parallel_lora.kernels.adapter_grads import split_rows
+from tests._kernels import (
     DEVICE,
     DROPOUTS,
     DTYPES,
@@ -21,11 +26,6 @@ from _kernels import (
     reference,
     rel_err,
 )
-
-from parallel_lora import kernels
-from parallel_lora._dropout import Dropout, seed_tensor
-from parallel_lora.kernels import workspace
-from parallel_lora.kernels.adapter_grads import split_rows
 
 SHAPES = {
     "multi_tile": (64, 96, 80, 16),  # several tiles along every dim in the interpreter (blocks of 32)

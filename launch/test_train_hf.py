@@ -20,13 +20,13 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
-import _hf
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from parallel_lora import LoRAConfig, load_adapter
+from tests import _hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import DEVICE, dropout_keep_mask, kernel_uniforms
 
 from parallel_lora._dropout import Dropout, hash_uniform, keep_mask, seed_tensor
+from tests._kernels import DEVICE, dropout_keep_mask, kernel_uniforms
 
 SEEDS = [0, 1, 2**31 + 7, 2**32 - 1, 2**32, 2**32 + 1, 2**62 - 1, 2**64 - 1, 987_654_321_987]
 

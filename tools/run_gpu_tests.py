@@ -1,9 +1,9 @@
 """Run the GPU tests within a time budget, so that a slow or stuck test costs only itself (a script, not a test).
 
-    python tests/run_gpu_tests.py --budget 540 --test-timeout 240 --out gpu_tests.json
-    python tests/run_gpu_tests.py --first "direct_launch" tests/test_kernels_gpu.py  # one test ahead of the rest
-    python tests/run_gpu_tests.py --resume gpu_tests_prev.json --out gpu_tests.json   # the rest of an earlier run
-    python tests/run_gpu_tests.py --workers 4 --out gpu_tests.json                   # four pytest processes at once
+    python tools/run_gpu_tests.py --budget 540 --test-timeout 240 --out gpu_tests.json
+    python tools/run_gpu_tests.py --first "direct_launch" tests/kernels/test_gpu.py  # one test ahead of the rest
+    python tools/run_gpu_tests.py --resume gpu_tests_prev.json --out gpu_tests.json   # the rest of an earlier run
+    python tools/run_gpu_tests.py --workers 4 --out gpu_tests.json                   # four pytest processes at once
 
 One ``pytest -m gpu`` process runs all the selected tests in order (compiles and tuning carry over from test to
 test). A test that runs past ``--test-timeout`` has its process group killed, is recorded as ``timeout``, and the

@@ -6,7 +6,6 @@ Reference: ``lora_linear`` on the torch backend with a fresh plan per call (the 
 
 from __future__ import annotations
 
-import _dist
 import pytest
 import torch
 import torch.nn as nn
@@ -17,6 +16,7 @@ import parallel_lora.layers as layers
 from parallel_lora import ColumnParallelLoRALinear, LoRAConfig, LoRALinear, RowParallelLoRALinear, lora_linear
 from parallel_lora.kernels import dispatch, launcher
 from parallel_lora.kernels.spec import KernelSpec
+from tests import _dist
 
 F32 = torch.float32
 

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _tp import (
+from torch.autograd.graph import saved_tensors_hooks
+
+from parallel_lora import ColumnParallelLoRALinear, RowParallelLoRALinear
+from tests import _dist
+from tests._tp import (
     BATCH,
     DTYPES,
     F32,
@@ -24,9 +27,6 @@ from _tp import (
     tp_config,
     tp_pair,
 )
-from torch.autograd.graph import saved_tensors_hooks
-
-from parallel_lora import ColumnParallelLoRALinear, RowParallelLoRALinear
 
 
 def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[int, list]:

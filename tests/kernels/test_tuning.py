@@ -317,7 +317,7 @@ def _gemm_args(kernel, dtype=torch.bfloat16, M=8192):
 
 def test_one_candidate_gives_gpu_tests_one_kept_config_per_kernel_variant_without_timing(monkeypatch):
     # What conftest tunes GPU tests with (tests/_tuning.py).
-    from _tuning import one_candidate
+    from tests._tuning import one_candidate
 
     monkeypatch.setattr(tuning, "max_shared_mem", lambda device: 232_448)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -22,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from _recipes import reset_every_module
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
@@ -56,6 +54,8 @@ from parallel_lora import (
     save_adapter,
     unmerge_lora,
 )
+from tests import _dist
+from tests._recipes import reset_every_module
 
 F64 = torch.float64
 K, H, N, R = 16, 24, 16, 3
@@ -264,7 +264,7 @@ class _Block(nn.Module):
 def _save_dropout_seeds():
     """Selective activation checkpointing that saves the dropout seeds and recomputes the rest (torchtitan has op-level
     policies). On the CPU, torch 2.13's AOTAutograd cannot recompute a random op next to DTensor gradients
-    (tests/test_tp_dropout.py pins it); on CUDA plain checkpointing replays the seed draw."""
+    (tests/tp/test_layers_dropout.py pins it); on CUDA plain checkpointing replays the seed draw."""
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func is torch.ops.parallel_lora.dropout_seed.default:

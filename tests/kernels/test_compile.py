@@ -1,4 +1,4 @@
-"""What Triton compiles the kernels into for Hopper, on the CPU (``tests/compile_hopper.py``, a helper script).
+"""What Triton compiles the kernels into for Hopper, on the CPU (``tools/compile_hopper.py``, a helper script).
 
 Pruning trusts the shared-memory estimates (``KernelSpec.smem``): one below the compiled size lets a config
 through that a ~100 KB part cannot launch.
@@ -13,20 +13,21 @@ from pathlib import Path
 
 import pytest
 import triton
-from compile_hopper import wgmma_loops
+
+from tools.compile_hopper import wgmma_loops
 
 
 @pytest.mark.slow
 def test_compile_smem_estimates_bound_what_triton_compiles_for_hopper():
     # Triton 3.8 stages the "pre"-masked x tile of the shrink in shared memory, where 3.6 and 3.9 feed it from
     # registers; only compiling with the installed Triton shows it. The quick launches here, for sm_90a on the
-    # CPU (every launch: `python tests/compile_hopper.py`).
+    # CPU (every launch: `python tools/compile_hopper.py`).
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     launches = "shrink_S,shrink_S_drop,shrink_G,reduce_drop,shrink_db,gemm_y"
     out = subprocess.run(
-        [sys.executable, "tests/compile_hopper.py", "--launches", launches],
+        [sys.executable, "tools/compile_hopper.py", "--launches", launches],
         cwd=root, capture_output=True, text=True, timeout=600, check=True,
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},  # compiled, not interpreted
     ).stdout  # fmt: skip

@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _tp import (
+from torch.distributed.tensor import DTensor, Replicate
+
+from parallel_lora import no_sync
+from tests import _dist
+from tests._tp import (
     BATCH,
     BF16,
     DTYPES,
@@ -30,9 +33,6 @@ from _tp import (
     seq_shard,
     tp_pair,
 )
-from torch.distributed.tensor import DTensor, Replicate
-
-from parallel_lora import no_sync
 
 
 def _mlp_matches_reference(dtype: torch.dtype, sp: bool) -> None:

@@ -13,12 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _hf
 import pytest
 import torch
 
 from parallel_lora import LoRAConfig, apply_lora, save_adapter
 from parallel_lora.layers import lora_modules
+from tests import _hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

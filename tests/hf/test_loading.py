@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 
-import _dist
-import _hf
 import pytest
 import safetensors
 import torch
@@ -24,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from parallel_lora import LoRAConfig, save_adapter
 from parallel_lora.hf import check_checkpoint, check_tp, from_pretrained
 from parallel_lora.layers import fill_global_, lora_modules
+from tests import _dist, _hf
 
 transformers = pytest.importorskip("transformers")
 

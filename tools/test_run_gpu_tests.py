@@ -1,4 +1,4 @@
-"""``tests/run_gpu_tests.py``, the script that runs the GPU tests within a time budget: a stuck or crashing test
+"""``tools/run_gpu_tests.py``, the script that runs the GPU tests within a time budget: a stuck or crashing test
 costs only itself, ``--resume`` runs only what an earlier run at the same commit did not settle, and the JSON
 records the commit and the wall time. Checked on fake test files and a scratch git repository."""
 
@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_gpu_tests import collect, commit_id, main, run_all, run_parallel, settled
+
+from tools.run_gpu_tests import collect, commit_id, main, run_all, run_parallel, settled
 
 SCRIPT = Path(__file__).with_name("run_gpu_tests.py")
 

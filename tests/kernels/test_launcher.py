@@ -13,7 +13,12 @@ import pkgutil
 
 import pytest
 import torch
-from _kernels import (
+
+from parallel_lora import kernels
+from parallel_lora._dropout import Dropout
+from parallel_lora.kernels import dispatch, launcher
+from parallel_lora.kernels.spec import KernelSpec
+from tests._kernels import (
     DROPOUTS,
     LAUNCH_NAMES,
     SCALE,
@@ -24,15 +29,10 @@ from _kernels import (
     reference,
 )
 
-from parallel_lora import kernels
-from parallel_lora._dropout import Dropout
-from parallel_lora.kernels import dispatch, launcher
-from parallel_lora.kernels.spec import KernelSpec
-
 
 def test_launcher_specs_name_every_kernel():
     # Every kernel file launches through ``launcher.launch``, whose first launches go through ``launcher.bind``:
-    # stubbing bind (the tests below, tests/compile_hopper.py) reaches every kernel. A kernel file with a spec of
+    # stubbing bind (the tests below, tools/compile_hopper.py) reaches every kernel. A kernel file with a spec of
     # its own must be among LAUNCH_NAMES, which those tests expect to see launched.
     specs = {}
     for info in pkgutil.iter_modules(kernels.__path__):

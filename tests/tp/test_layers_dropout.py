@@ -7,14 +7,23 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _reference import lora_reference
-from _seeds import given_seeds, recording_seeds
-from _tp import (
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import parallel_lora.tp.layers as parallel
+from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
+from parallel_lora._dropout import Dropout, keep_mask
+from tests import _dist
+from tests._reference import lora_reference
+from tests._seeds import given_seeds, recording_seeds
+from tests._tp import (
     BATCH,
     F32,
     SEQ,
@@ -30,15 +39,6 @@ from _tp import (
     seq_shard,
     tp_pair,
 )
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
-
-import parallel_lora.tp.layers as parallel
-from parallel_lora import ColumnParallelLoRALinear, LoRAConfig
-from parallel_lora._dropout import Dropout, keep_mask
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,6 +37,7 @@ from parallel_lora import (
     apply_lora,
     lora_plan,
 )
+from tests import _dist
 
 D, HEAD_DIM, HIDDEN = 16, 4, 32  # 4 heads: 2 per rank
 BATCH, SEQ = 2, 8

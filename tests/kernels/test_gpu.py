@@ -12,7 +12,12 @@ import types
 import pytest
 import torch
 import triton
-from _kernels import (
+
+from parallel_lora import kernels
+from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
+from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
+from parallel_lora.kernels.spec import KernelSpec
+from tests._kernels import (
     DROPOUTS,
     DTYPES,
     GPU_TOL,
@@ -29,11 +34,6 @@ from _kernels import (
     reference,
     skip_without_tma,
 )
-
-from parallel_lora import kernels
-from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
-from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
-from parallel_lora.kernels.spec import KernelSpec
 
 
 @gpu

@@ -1,7 +1,7 @@
 """Compile the LoRA kernels for Hopper on any machine, no GPU needed, and report what the compiler made of them.
 
-    python tests/compile_hopper.py                              # 8192 x 4096 -> 4096, r = 16, every launch
-    python tests/compile_hopper.py --shape 8192,4096,14336,64 --launches dx_grads,dx_grads_drop --sass sass/
+    python tools/compile_hopper.py                              # 8192 x 4096 -> 4096, r = 16, every launch
+    python tools/compile_hopper.py --shape 8192,4096,14336,64 --launches dx_grads,dx_grads_drop --sass sass/
 
 The library's launchers run on CPU tensors with the GPU's choices (the TMA path, ``--sms`` SMs, Hopper dot
 options: not the interpreter's) and ``launcher.bind`` stubbed, which captures each launch's arguments. Every
@@ -12,7 +12,7 @@ prints the registers and the local memory (spills) of the cubin, the shared memo
 estimate (``KernelSpec.smem``, which pruning trusts), and, for the loops that issue wgmma (HGMMA), their length
 and the longest run of other instructions between two HGMMAs: integer work placed there delays the tensor
 cores. ``--sass DIR`` also writes each kernel's SASS. Run it with the Triton the GPU machine has for the numbers
-that matter there. A helper of ``tests/test_kernels_compile.py``, not a test module.
+that matter there. A helper of ``tests/kernels/test_compile.py``, not a test module.
 """
 
 from __future__ import annotations

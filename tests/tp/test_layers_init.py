@@ -3,13 +3,17 @@ and the errors bad shapes, meshes and devices raise (``tests/_tp.py``)."""
 
 from __future__ import annotations
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _recipes import reset_every_module
-from _tp import (
+from torch.distributed.tensor import DTensor, Replicate
+
+from parallel_lora import ColumnParallelLoRALinear, LoRALinear, RowParallelLoRALinear
+from parallel_lora.tp._layouts import LAYOUTS
+from tests import _dist
+from tests._recipes import reset_every_module
+from tests._tp import (
     BATCH,
     SEQ,
     WORLD_SIZES,
@@ -19,10 +23,6 @@ from _tp import (
     gpu,
     tp_config,
 )
-from torch.distributed.tensor import DTensor, Replicate
-
-from parallel_lora import ColumnParallelLoRALinear, LoRALinear, RowParallelLoRALinear
-from parallel_lora.tp._layouts import LAYOUTS
 
 
 def _init_independent_of_tp(seed: int) -> None:

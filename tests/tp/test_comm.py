@@ -6,12 +6,15 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
-import _dist
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _tp import (
+from torch.distributed.tensor.debug import CommDebugMode
+
+from parallel_lora.tp._layouts import LAYOUTS
+from tests import _dist
+from tests._tp import (
     BATCH,
     BF16,
     DTYPES,
@@ -26,9 +29,6 @@ from _tp import (
     seq_shard,
     tp_pair,
 )
-from torch.distributed.tensor.debug import CommDebugMode
-
-from parallel_lora.tp._layouts import LAYOUTS
 
 AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
 # (forward, backward) per layer kind and SP; the backward includes dx (x requires grad).

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import _hf
 import pytest
 import torch
 
 from launch import tiny_checkpoint
 from launch.data import IGNORE_INDEX, PackedData, load_tokenizer
+from tests import _hf
 
 pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from _dist import run_ranks
 
 from parallel_lora import LoRAConfig, LoRALinear, apply_lora
+from tests._dist import run_ranks
 
 D, V = 16, 24  # model width, vocabulary
 

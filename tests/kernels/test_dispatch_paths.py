@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernels import (
+
+from parallel_lora import kernels
+from parallel_lora.kernels import adapter_grads, dispatch, dx_grads, gemm, shrink_db, shrink_gemm, workspace
+from parallel_lora.kernels.adapter_grads import split_rows
+from tests._kernels import (
     DEVICE,
     DROPOUTS,
     INTERPRETING,
@@ -24,10 +28,6 @@ from _kernels import (
     rel_err,
     skip_without_tma,
 )
-
-from parallel_lora import kernels
-from parallel_lora.kernels import adapter_grads, dispatch, dx_grads, gemm, shrink_db, shrink_gemm, workspace
-from parallel_lora.kernels.adapter_grads import split_rows
 
 
 def test_forward_pre_dropout_keeps_the_separate_masked_shrink(monkeypatch):

@@ -1,6 +1,6 @@
-"""Test set-up: Triton runs in its CPU interpreter when there is no GPU; every test is seeded; tuned configs go
-to a cache folder of the session's own; GPU tests launch one config per kernel variant instead of tuning (those
-marked ``full_tuning`` time every candidate)."""
+"""Test set-up of every test folder (tests/, launch/, tools/, benchmarks/): Triton runs in its CPU interpreter when
+there is no GPU; every test is seeded; tuned configs go to a cache folder of the session's own; GPU tests launch one
+config per kernel variant instead of tuning (those marked ``full_tuning`` time every candidate)."""
 
 import os
 
@@ -41,8 +41,7 @@ def _gpu_tests_tune_one_candidate(request, monkeypatch):
         return
     if request.node.get_closest_marker("full_tuning") is not None:
         return
-    from _tuning import one_candidate
-
     from parallel_lora.kernels import tuning
+    from tests._tuning import one_candidate
 
     monkeypatch.setattr(tuning, "tune", one_candidate(tuning.tune))

@@ -1,0 +1,1 @@
+"""Tests of ``parallel_lora.tp``."""
