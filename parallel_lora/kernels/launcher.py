@@ -69,10 +69,11 @@ _BOUND: dict[tuple, Bound] = {}
 
 def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int]) -> Callable | None:
     """``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups; None under launch hooks."""
-    knobs = getattr(triton, "knobs", None)
-    hooks = [getattr(knobs.runtime, h, None) for h in ("launch_enter_hook", "launch_exit_hook")] if knobs else [1]
-    packed = getattr(compiled, "packed_metadata", None)
-    if packed is None or any(h is not None and getattr(h, "calls", True) for h in hooks):
+    knobs, packed = getattr(triton, "knobs", None), getattr(compiled, "packed_metadata", None)
+    if knobs is None or packed is None:  # a Triton without this launcher contract: its own path
+        return None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    if any(h is not None and getattr(h, "calls", True) for h in hooks):  # a hook, or a non-empty HookChain
         return None
     compiled._init_handles()
     launcher, function = compiled.run, compiled.function

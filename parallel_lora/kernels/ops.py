@@ -52,7 +52,7 @@ def _(x, weight, bias, lora_A, lora_B, *scalars):
 
 @lora_backward.register_fake
 def _(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
-    (needs_dx, needs_dA, needs_dB), grad_dtype = scalars[5:8], scalars[8:]  # after scale, p, seed, position, k_offset
-    grad = grad_dtype[0] or dy.dtype if grad_dtype else dy.dtype
+    needs_dx, needs_dA, needs_dB = scalars[5:8]  # after scale, p, seed, position, k_offset; then grad_dtype, if given
+    grad = (scalars[8] if len(scalars) > 8 else None) or dy.dtype
     outs = ((needs_dx, x.shape, dy.dtype), (needs_dA, lora_A.shape, grad), (needs_dB, lora_B.shape, grad))
     return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)
