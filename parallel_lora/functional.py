@@ -40,9 +40,9 @@ class Plan:
     """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives, sites."""
 
     def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
-                 grad_dtype=None) -> None:
+                 adapter_dtype=None) -> None:
         self.backend, self.dtype, self.scale = backend, dtype, scale
-        self.grad_dtype = grad_dtype
+        self.adapter_dtype = adapter_dtype  # what the adapters are cast to; None: the kernels read them as they are
         self.p, self.position, self.k_offset = p, position, k_offset
         self.mode = position if p > 0.0 else None
         self._mask_offset = k_offset if position == "pre" else 0
@@ -76,7 +76,7 @@ class Plan:
             return eager.backward(dy, x, weight, lora_A, lora_B, s_lora, self.scale, self._dropout(seed), *needs)
         if torch.compiler.is_compiling():
             op = torch.ops.parallel_lora.lora_backward
-            grads = op(dy, x, weight, lora_A, lora_B, s_lora, *self._op_scalars(seed), *needs, self.grad_dtype)
+            grads = op(dy, x, weight, lora_A, lora_B, s_lora, *self._op_scalars(seed), *needs)
             return tuple(g if needed else None for g, needed in zip(grads, needs, strict=True))
         kernels, mode = dispatch_module(), self.mode
         key = (dy.stride(), dy.data_ptr() & 15, needs)
@@ -84,7 +84,7 @@ class Plan:
         if entry is None:
             entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
         grads = kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
-                                     self._mask_offset, *needs, self.grad_dtype)
+                                     self._mask_offset, *needs)
         if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
             self.bwd_entries[key] = entry
         return grads
@@ -120,10 +120,11 @@ def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropo
     check_inputs(x, weight, bias, lora_A, lora_B, scale)
     check_dropout(dropout_p, position, k_offset)
     backend = resolve_backend(backend, x.device)
-    grad_dtype = lora_A.dtype if lora_A.dtype == lora_B.dtype else None
+    dtype = compute_dtype(x, weight)
+    # The kernels read adapters of one dtype as they are (fp32 masters included); the torch backend computes in dtype.
+    adapter_dtype = None if backend == "triton" and lora_A.dtype == lora_B.dtype else dtype
     p = float(dropout_p) if training else 0.0
-    return Plan(backend, compute_dtype(x, weight), float(scale), p, position, k_offset, input_comm, output_comm,
-                grad_dtype)
+    return Plan(backend, dtype, float(scale), p, position, k_offset, input_comm, output_comm, adapter_dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,8 @@ class LoRAFunction(torch.autograd.Function):
         dtype = plan.dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
         x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        lora_A, lora_B = cast_to(lora_A, dtype), cast_to(lora_B, dtype)
+        if plan.adapter_dtype is not None:
+            lora_A, lora_B = cast_to(lora_A, plan.adapter_dtype), cast_to(lora_B, plan.adapter_dtype)
         x_full = x if plan.input_comm is None else plan.input_comm.gather(x)
         with autocast_off(x.device.type):
             y2d, s_lora = plan.forward(_rows(x_full), weight, bias, lora_A, lora_B, seed)

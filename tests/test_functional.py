@@ -142,16 +142,36 @@ def test_fp32_adapters_do_not_promote_the_output(base, backend):
 
 @pytest.mark.parametrize("backend", ["triton"])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_fused_kernel_sees_one_operand_dtype(case, backend, monkeypatch):
-    """(b) Every tensor handed to the Triton forward/backward is in the compute dtype: an autocast-promoted
-    fp32 x and fp32 adapters over a bf16 base reach the kernels as bf16 (no fp32 tiles, no mixed dots)."""
+def test_fused_kernel_sees_the_compute_dtype_and_the_adapters_as_they_are(case, backend, monkeypatch):
+    """(b) The Triton forward/backward get x, W, b, dy and S in the compute dtype (an autocast-promoted fp32 x
+    reaches them as bf16) and the adapters in their own dtype: the kernels round adapter tiles in registers."""
     seen = record_calls(monkeypatch)
     inp = make_inputs(case)
     x, y = run_op(case, inp, backend)
     y.backward(torch.randn_like(y))
-    assert set(seen) == {"forward", "backward"}
-    for phase, dtypes in seen.items():
-        assert dtypes == {case.compute}, f"{phase} received {dtypes}, expected only {case.compute}"
+    want = {"operands": {case.compute}, "adapters": {case.a}}
+    assert seen == {"forward": want, "backward": want}
+
+
+def test_fused_path_casts_no_fp32_adapter(monkeypatch):
+    """fp32 adapters over a bf16 base on the Triton path: no copy of A or B in forward or backward (no cast op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    case = Case(BF16, F32, BF16, False)
+    inp = make_inputs(case)
+    shapes = {tuple(inp.lora_A.shape), tuple(inp.lora_B.shape)}
+    casts = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in shapes:
+                casts.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Casts():
+        x, y = run_op(case, inp, "triton")
+        y.backward(torch.randn_like(y))
+    assert casts == [] and inp.lora_A.grad.dtype == F32
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -174,8 +194,8 @@ def test_eager_backend_sees_one_operand_dtype(case, monkeypatch):
 
 
 def test_fused_kernels_write_fp32_adapter_grads_in_fp32(monkeypatch):
-    """fp32 master adapters over a bf16 base: the kernels read bf16 operands and store dA, dB from their fp32
-    accumulators in fp32 (no bf16 rounding, no cast node)."""
+    """fp32 master adapters over a bf16 base: the kernels store dA, dB from their fp32 accumulators in fp32 (no bf16
+    rounding, no cast node)."""
     from parallel_lora.kernels import dispatch
 
     made, real = [], dispatch.run_backward
@@ -210,16 +230,20 @@ def test_autocast_promoted_input_and_fp32_adapters_reach_eager_backend_as_bf16(m
     assert y.dtype == BF16
 
 
-def record_calls(monkeypatch) -> dict[str, set[torch.dtype]]:
-    """Wrap the kernels' forward and backward launches; record the dtypes of every tensor argument."""
+def record_calls(monkeypatch) -> dict[str, dict[str, set[torch.dtype]]]:
+    """Wrap the kernels' forward and backward launches; record the dtypes of the adapters (arguments 4 and 5 of
+    both) and of every other tensor argument."""
     from parallel_lora.kernels import dispatch
 
-    seen: dict[str, set[torch.dtype]] = {}
+    seen: dict[str, dict[str, set[torch.dtype]]] = {}
     for phase in ("forward", "backward"):
         real = getattr(dispatch, f"run_{phase}")
 
         def wrapper(*args, _real=real, _phase=phase, **kw):
-            seen.setdefault(_phase, set()).update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            got = seen.setdefault(_phase, {"operands": set(), "adapters": set()})
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    got["adapters" if i in (4, 5) else "operands"].add(a.dtype)
             return _real(*args, **kw)
 
         monkeypatch.setattr(dispatch, f"run_{phase}", wrapper)
@@ -280,7 +304,9 @@ def test_saved_tensors_are_x_params_and_one_m_by_r_tensor(case, backend, dropout
     activations = [t for t in saved if _storage(t) not in param_storages]
     for t in activations:
         assert t.numel() * t.element_size() <= x_bytes, f"saved {tuple(t.shape)} {t.dtype} is larger than x"
-    # Besides x and parameter-shaped tensors (the fused path's casts of fp32 adapters), exactly one [M, r].
+    if backend == "triton":  # the kernels read the adapters themselves: no copy is saved
+        assert _storage(inp.lora_A) in map(_storage, saved) and _storage(inp.lora_B) in map(_storage, saved)
+    # Besides x and parameter-shaped tensors (the torch backend's casts of fp32 adapters), exactly one [M, r].
     others = [t for t in activations if tuple(t.shape) != (M, K) and tuple(t.shape) not in param_shapes]
     assert [tuple(t.shape) for t in others] == [(M, R)]
     saved_x = [t for t in saved if tuple(t.shape) == (M, K)]
@@ -404,5 +430,6 @@ def test_gpu_autocast_promoted_input_reaches_the_kernel_as_bf16(monkeypatch):
     x, y = run_op(case, inp, "auto")
     assert x.dtype == F32 and y.dtype == BF16
     y.backward(torch.randn_like(y))
-    assert seen == {"forward": {BF16}, "backward": {BF16}}
+    want = {"operands": {BF16}, "adapters": {F32}}
+    assert seen == {"forward": want, "backward": want}
     assert inp.x_leaf.grad.dtype == F32 and inp.lora_A.grad.dtype == F32

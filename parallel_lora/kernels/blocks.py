@@ -12,6 +12,17 @@ from .dropout_mask import drop_tile
 
 
 @triton.jit
+def as_operand(t, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """An adapter tile (fp32 masters, say) rounded to the dot's ``dtype``, to nearest even; held in fp32 under
+    ``UPCAST``, rounded by hand where the interpreter would truncate fp32 to bf16."""
+    if UPCAST and dtype == tl.bfloat16 and t.dtype == tl.float32:
+        bits = t.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return t.to(dtype)
+
+
+@triton.jit
 def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped order: ``GROUP_M`` row-blocks of tiles share each sweep over the N tiles."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -35,6 +46,7 @@ def tile_dot(
         b = b_desc.load([pid_n * BLOCK_N, off]).T
     else:
         b = b_desc.load([off, pid_n * BLOCK_N])
+    b = as_operand(b, a.dtype, UPCAST)
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -99,6 +111,7 @@ def rank_term(
                     other=0.0, cache_modifier=S_CACHE)  # fmt: skip
         f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
                     mask=r_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
+        f = as_operand(f, s.dtype, UPCAST)
         if UPCAST:
             s = s.to(tl.float32)
             f = f.to(tl.float32)
@@ -199,7 +212,7 @@ def shrink_rows(
             x = x_desc.load([row0, k0])
         else:
             x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0)
+        u = as_operand(tl.load(u_ptrs, mask=k_in[:, None] & r_in[None, :], other=0.0), x_ptr.dtype.element_ty, UPCAST)
         if DROP_PRE:
             x = drop_tile(x, k_row, k_col, p, offs_m, k_offset + k0, ODD_OFFSET)
         if UPCAST:

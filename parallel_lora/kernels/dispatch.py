@@ -1,6 +1,7 @@
 """The fused LoRA op on one device (one TP shard): operand checks, the choice of launches, the launches.
 
-Operands in one dtype (fp32, fp16 or bf16); the math, the two paths and their launches: docs/kernels.md.
+Operands in one compute dtype (fp32, fp16 or bf16), the adapters in theirs; the math, the two paths and their
+launches: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ _LABELS = {
 }
 
 
+_ADAPTERS = ("lora_A", "lora_B")
+
+
 def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor: a Tensor of the expected sizes, one dtype, one device."""
+    """Every tensor: a Tensor of the expected sizes on one device; the adapters in one dtype, the rest in another."""
     dtype = device = None
+    adapter_dtype = named["lora_A"].dtype
     for name, t in named.items():
         if t is None:
             continue
@@ -51,14 +56,21 @@ def _check_tensors(named: dict[str, torch.Tensor | None], expected: dict[str, tu
             raise ValueError(f"{name} must have shape [{', '.join(labels)}] ({sizes}), got {_shape(t)}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-        if dtype is None:
-            dtype, device, first = t.dtype, t.device, name
+        if name in _ADAPTERS:
+            if t.dtype != adapter_dtype:
+                raise ValueError(f"lora_A and lora_B must share one dtype (the caller casts), got {adapter_dtype} "
+                                 f"and {t.dtype}")  # fmt: skip
+        elif dtype is None:
+            dtype, first = t.dtype, name
         elif t.dtype != dtype:
             raise ValueError(
-                f"all operands must share one dtype (the caller casts): {first} is {dtype}, {name} is {t.dtype}"
+                f"every operand but the adapters must share one dtype (the caller casts): {first} is {dtype}, "
+                f"{name} is {t.dtype}"
             )
+        if device is None:
+            device, first_device = t.device, name
         elif t.device != device:
-            raise ValueError(f"all operands must be on one device: {first} on {device}, {name} on {t.device}")
+            raise ValueError(f"all operands must be on one device: {first_device} on {device}, {name} on {t.device}")
     if device is not None and device.type != "cuda" and not interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
 
@@ -147,9 +159,9 @@ def backward_key(
     lora_B: torch.Tensor,
     s_lora: torch.Tensor,
     mask: tuple | None,
-    *needs: bool | torch.dtype | None,
+    *needs: bool,
 ) -> tuple:
-    """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted (and in which dtype)."""
+    """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
     layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
     return _device_key(dy), *layouts, mask, *needs
 
@@ -253,9 +265,9 @@ def backward_entry(
 def run_backward(
     entry: tuple, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor,
     lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None,
-    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool, grad_dtype: torch.dtype | None = None,
+    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The launches of a checked layout (``backward_entry``); dA and dB in ``grad_dtype`` (default: the operands')."""
+    """The launches of a checked layout (``backward_entry``); dx in the compute dtype, dA and dB in the adapters'."""
     site_g, site_dx, site_ab, w_nk, db_in_g = entry
     pre = mode == "pre"
     drop_kw = {} if mode is None else {"p": p, "seed": seed}
@@ -269,7 +281,7 @@ def run_backward(
         dx, dA, dB = lora_dx_and_grads(
             dy, weight.t() if w_nk else weight, w_nk, g, lora_A, x if needs_dA else None,
             s_lora if needs_dB and not db_in_g else None, lora_drop=pre, k_offset=k_offset, db_partials=pdb,
-            db_parts=blocks, out_dtype=grad_dtype, **drop_kw, site=site_dx,
+            db_parts=blocks, out_dtype=lora_A.dtype, **drop_kw, site=site_dx,
         )
         return dx, dA, dB
     # dx before the adapter grads: the GPU runs the long GEMM while the host issues them (docs/kernels.md)
@@ -278,24 +290,23 @@ def run_backward(
     if needs_dA or needs_dB:
         dA, dB = lora_adapter_grads(
             x if needs_dA else None, g if needs_dA else None, dy if needs_dB else None,
-            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, out_dtype=grad_dtype, **drop_kw,
+            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, out_dtype=lora_A.dtype, **drop_kw,
             site=site_ab,
         )
     return dx, dA, dB
 
 
-def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_dx=True, needs_dA=True, needs_dB=True,
-             grad_dtype=None):
+def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_dx=True, needs_dA=True, needs_dB=True):
     """The backward without a plan: ``dy [M, N]``, the forward's operands -> ``(dx, dA, dB)``, None where unwanted."""
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
     needs = (needs_dx, needs_dA, needs_dB)
-    mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, (*needs, grad_dtype))
+    mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, needs)
     entry = _BACKWARD_SITES.get(key)
     fresh = entry is None
     if fresh:
         _check_backward(*operands)
         entry = backward_entry(*operands, mode, *needs)
-    grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs, grad_dtype)
+    grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)
     if fresh and key is not None:
         keep_at_most(_BACKWARD_SITES, key, entry, SITES_KEPT)
     return grads

@@ -30,7 +30,7 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     red = {"BLOCK_F": cfg["RED_BLOCK_F"], "BLOCK_M": consts["RED_BLOCK_M"]}
     # ``RED_STAGES`` buffers: Triton 3.6 allocates that many for an explicitly staged TMA loop (3.9 one fewer).
     red_smem = reduce_smem(red, consts["RED_STAGES"], elem, consts)
-    return max(tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
+    return max(tma_smem(cfg, stages, elem, consts, "a_ptr"), red_smem) + ATOMIC_SLOT
 
 
 ITEM_ROWS = 2048  # the launch's tail at 8192 x 4096 -> 14336: ~12 us, against ~46 with whole columns (H200)
@@ -214,7 +214,7 @@ def _describe(tensors: tuple, w_nk: bool, x, s_lora, sums: bool, db_parts: int, 
         return static, lambda meta: (num_sms,), consts
 
     a_layout = want_a and (x.stride(), tma_rows(x))
-    signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(), a_layout,
-                 want_b and s_lora.stride(), sums and db_parts, dy.dtype, out_a.dtype, tensors[-1].dtype, lora_drop,
-                 odd, num_sms)
+    signature = (dy.shape, dy.stride(), w.shape, w.stride(), w_nk, g.stride(), lora_A.shape, lora_A.stride(),
+                 lora_A.dtype, a_layout, want_b and s_lora.stride(), sums and db_parts, dy.dtype, out_a.dtype,
+                 tensors[-1].dtype, lora_drop, odd, num_sms)
     return SPEC, _dx_and_grads_kernel, signature, build

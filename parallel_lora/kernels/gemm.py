@@ -8,11 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .blocks import as_operand
 from .dropout_mask import drop_tile, mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
 from .host import cdiv, dot_options, keep_scale, pad_rank, seed_arg
 from .launcher import Site, launch
-from .spec import KernelSpec
+from .spec import KernelSpec, adapter_bytes
 
 
 def gemm_configs() -> list[triton.Config]:
@@ -38,7 +39,8 @@ def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # The rank tiles take one buffer, or ``stages`` when the rank takes several chunks (a pipelined loop).
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
     rank_buffers = stages if consts["R"] > br else 1
-    return (stages * (bm * bk + bk * bn) + rank_buffers * (bm + bn) * br) * elem
+    rank = adapter_bytes(bn * br, rank_buffers, elem, consts, "f_ptr")
+    return (stages * (bm * bk + bk * bn) + rank_buffers * bm * br) * elem + rank
 
 
 @triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
@@ -107,7 +109,7 @@ def _lora_gemm_kernel(
     for r0 in range(0, R, BLOCK_R):
         r_in = offs_r < R - r0
         s = tl.load(s_ptrs, mask=m_in[:, None] & r_in[None, :], other=0.0)
-        f = tl.load(f_ptrs, mask=r_in[:, None] & n_in[None, :], other=0.0)
+        f = as_operand(tl.load(f_ptrs, mask=r_in[:, None] & n_in[None, :], other=0.0), s.dtype, UPCAST)
         if UPCAST:
             s = s.to(tl.float32)
             f = f.to(tl.float32)
@@ -201,5 +203,5 @@ def _describe(x, w, bias, s, f, out, lora_drop: bool, n_offset: int) -> tuple:
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N_out, meta["BLOCK_N"]),), consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), None if bias is None else bias.stride(), s.shape,
-                 s.stride(), f.stride(), x.dtype, lora_drop, odd)  # fmt: skip
+                 s.stride(), f.stride(), x.dtype, f.dtype, lora_drop, odd)  # fmt: skip
     return SPEC, _lora_gemm_kernel, signature, build

@@ -23,8 +23,8 @@ def dispatch_module():
 FORWARD = ("(Tensor x, Tensor weight, Tensor? bias, Tensor lora_A, Tensor lora_B, float scale, float p, Tensor? seed, "
            "str position, int k_offset) -> (Tensor, Tensor)")
 BACKWARD = ("(Tensor dy, Tensor x, Tensor weight, Tensor lora_A, Tensor lora_B, Tensor s_lora, float scale, float p, "
-            "Tensor? seed, str position, int k_offset, bool needs_dx, bool needs_dA, bool needs_dB, "
-            "ScalarType? grad_dtype=None) -> (Tensor, Tensor, Tensor)")
+            "Tensor? seed, str position, int k_offset, bool needs_dx, bool needs_dA, bool needs_dB) "
+            "-> (Tensor, Tensor, Tensor)")
 
 
 def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) -> Dropout | None:
@@ -52,7 +52,7 @@ def _(x, weight, bias, lora_A, lora_B, *scalars):
 
 @lora_backward.register_fake
 def _(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
-    needs_dx, needs_dA, needs_dB = scalars[5:8]  # after scale, p, seed, position, k_offset; then grad_dtype, if given
-    grad = (scalars[8] if len(scalars) > 8 else None) or dy.dtype
+    needs_dx, needs_dA, needs_dB = scalars[5:8]  # after scale, p, seed, position, k_offset
+    grad = lora_A.dtype
     outs = ((needs_dx, x.shape, dy.dtype), (needs_dA, lora_A.shape, grad), (needs_dB, lora_B.shape, grad))
     return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)

@@ -12,7 +12,7 @@ from .blocks import shrink_rows
 from .dropout_mask import mask_keys
 from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch
-from .spec import KernelSpec
+from .spec import KernelSpec, adapter_bytes
 
 
 def shrink_configs() -> list[triton.Config]:
@@ -36,7 +36,7 @@ def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # Under the "pre" mask some Triton versions (3.8) stage the masked x tile in shared memory: counted.
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     staged = bm * bk if consts["DROP_PRE"] else 0
-    return (stages * (bm * bk + bk * consts["R_PAD"]) + staged) * elem
+    return (stages * bm * bk + staged) * elem + adapter_bytes(bk * consts["R_PAD"], stages, elem, consts, "u_ptr")
 
 
 def shrink_fits(cfg: dict, nargs: dict) -> bool:
@@ -132,5 +132,5 @@ def _describe(x, u, out, drop_pre: bool, drop_post: bool, k_offset: int) -> tupl
                   **dot_options(x.dtype)}  # fmt: skip
         return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
 
-    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, drop_pre, odd, drop_post)
+    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, u.dtype, drop_pre, odd, drop_post)
     return SPEC, _lora_shrink_kernel, signature, build

@@ -8,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import finish_tile
+from .blocks import as_operand, finish_tile
 from .dropout_mask import drop_tile, mask_keys
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch, site_info
-from .spec import KernelSpec
+from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
 
@@ -33,7 +33,8 @@ def shrink_db_configs() -> list[triton.Config]:
 def shrink_db_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # The last term: dB's fp32 partial, staged for a coalesced store.
     rows, bn, r_pad = consts["ROWS"], cfg["BLOCK_N"], consts["R_PAD"]
-    return (stages * (rows * bn + bn * r_pad) + rows * r_pad) * elem + bn * r_pad * 4 + ATOMIC_SLOT
+    b_tile = adapter_bytes(bn * r_pad, stages, elem, consts, "b_ptr")
+    return (stages * rows * bn + rows * r_pad) * elem + b_tile + bn * r_pad * 4 + ATOMIC_SLOT
 
 
 # Column ranges are multiples of the largest BLOCK_N in ``shrink_db_configs`` (GPU, interpreter).
@@ -81,6 +82,7 @@ def _lora_shrink_db_kernel(
                     mask=m_in[:, None] & n_in[None, :], other=0.0)  # fmt: skip
         u = tl.load(b_ptr + cols[:, None] * stride_bn + offs_r[None, :] * stride_br,
                     mask=n_in[:, None] & r_in[None, :], other=0.0)  # fmt: skip
+        u = as_operand(u, d.dtype, UPCAST)
         if UPCAST:
             d = d.to(tl.float32)
             u = u.to(tl.float32)
@@ -180,6 +182,6 @@ def _describe(dy, lora_B, s_lora, g, splits: int, n_per_split: int, blocks: int,
         consts = {"DROP_POST": drop_post, "R_PAD": pad_rank(R), "ROWS": db_rows(), **dot_options(dy.dtype)}
         return static, lambda meta: (blocks, splits), consts
 
-    signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, drop_post, splits,
-                 db_rows())
+    signature = (dy.shape, dy.stride(), lora_B.shape, lora_B.stride(), s_lora.stride(), dy.dtype, lora_B.dtype,
+                 drop_post, splits, db_rows())
     return SPEC, _lora_shrink_db_kernel, signature, build

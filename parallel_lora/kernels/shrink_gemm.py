@@ -13,7 +13,7 @@ from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch
-from .spec import KernelSpec
+from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
 
@@ -31,7 +31,8 @@ def shrink_gemm_configs() -> list[triton.Config]:
 def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # A producing tile's previous output staging (half a tile) may still be draining.
     bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
-    produce = (consts["S_STAGES"] * (bm * sk + sk * consts["R_PAD"]) + bm * cfg["BLOCK_N"] // 2) * elem
+    u_tile = adapter_bytes(sk * consts["R_PAD"], consts["S_STAGES"], elem, consts, "u_ptr")
+    produce = (consts["S_STAGES"] * bm * sk + bm * cfg["BLOCK_N"] // 2) * elem + u_tile
     return max(tma_smem(cfg, stages, elem, consts), produce) + ATOMIC_SLOT
 
 
@@ -215,5 +216,5 @@ def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple
         return static, lambda meta: (num_sms,), consts
 
     signature = (x.shape, x.stride(), w.shape, w.stride(), w_nk, None if bias is None else bias.stride(), u.shape,
-                 u.stride(), f.stride(), x.dtype, drop_post, num_sms)
+                 u.stride(), f.stride(), x.dtype, u.dtype, drop_post, num_sms)
     return SPEC, _shrink_gemm_kernel, signature, build

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 import triton
 
 
+def adapter_bytes(tile: int, stages: int, elem: int, sizes: dict, arg: str) -> int:
+    """Shared memory of an adapter's ``tile`` elements in ``stages`` buffers: read in the adapter's own dtype
+    (``sizes[arg]``, e.g. fp32 over 16-bit activations) plus one buffer of its tile converted to ``elem`` bytes."""
+    t = sizes.get(arg)
+    own = t.element_size() if hasattr(t, "element_size") else elem
+    return tile * (stages * own + (elem if own != elem else 0))
+
+
 def _no_descriptors(consts: dict) -> bool:
     return False
 

@@ -53,6 +53,27 @@ def test_op_rank_256_matches_eager(dtype):
     check_against_eager(*inputs, SCALE, drop)
 
 
+@pytest.mark.parametrize("shape", ["multi_tile", "odd_r33"])
+@pytest.mark.parametrize("drop", [None, "pre", "post"])
+def test_op_reads_fp32_adapters_as_their_16bit_cast(shape, drop):
+    # fp32 master adapters over bf16 activations: the kernels round each adapter tile in registers, so y, S and dx
+    # equal the op's on adapters cast beforehand, and dA, dB come back in fp32, within a bf16 rounding of its.
+    M, K, N, r = SHAPES[shape]
+    x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16)
+    A32, B32 = lora_A.float() + 1e-3 * torch.randn_like(lora_A.float()), lora_B.float()
+    dropout = None if drop is None else Dropout(p=0.25, seed=seed_tensor(11, DEVICE), position=drop, k_offset=3)
+    cast = (A32.bfloat16(), B32.bfloat16())
+    y, s_lora = kernels.forward(x, weight, b, A32, B32, SCALE, dropout)
+    y_ref, s_ref = kernels.forward(x, weight, b, *cast, SCALE, dropout)
+    assert torch.equal(y, y_ref) and torch.equal(s_lora, s_ref) and s_lora.dtype == torch.bfloat16
+    dx, dA, dB = kernels.backward(dy, x, weight, A32, B32, s_lora, SCALE, dropout)
+    dx_ref, dA_ref, dB_ref = kernels.backward(dy, x, weight, *cast, s_ref, SCALE, dropout)
+    assert dA.dtype == dB.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    assert torch.equal(dx, dx_ref)
+    for got, ref in ((dA, dA_ref), (dB, dB_ref)):
+        assert ((got - ref.float()).abs() <= got.abs() * 2**-7).all()
+
+
 def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():
     # M = 130 splits the dA / dB reduction over M into several fp32 partials in the interpreter; the last
     # program of each tile sums them. A counter left non-zero would make the next launch store nothing.
@@ -163,6 +184,7 @@ def _bad_forward_cases():
         "bias_n": ((x, w, b[:3], A, B, 1.0, None), "bias must have shape"),
         "rank_257": ((x, w, b, big_r, torch.randn(6, 257, device=DEVICE), 1.0, None), "rank r"),
         "mixed_dtype": ((x.bfloat16(), w, b, A, B, 1.0, None), "one dtype"),
+        "mixed_adapters": ((x, w, b, A, B.bfloat16(), 1.0, None), "lora_A and lora_B must share one dtype"),
         "int_dtype": ((x.int(), w.int(), None, A.int(), B.int(), 1.0, None), "float32, float16 or bfloat16"),
         "scale_nan": ((x, w, b, A, B, float("nan"), None), "scale"),
         "seed_on_cpu": ((x, w, b, A, B, 1.0, Dropout(0.1, seed_tensor(0, "cpu"))), "device")
