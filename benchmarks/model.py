@@ -136,6 +136,7 @@ class Case:
     optimizer: torch.optim.Optimizer | None
     autocast: bool = False
     cudagraphs: bool = False
+    marker: nn.Parameter | None = None  # the frozen model's ``reach_first_layer`` zero, its gradient dropped each step
 
 
 def llama_config(args: argparse.Namespace):
@@ -173,7 +174,7 @@ def shell(base: nn.Module) -> nn.Module:
     return copy.deepcopy(base, memo=shared)
 
 
-def reach_first_layer(model: nn.Module) -> None:
+def reach_first_layer(model: nn.Module) -> nn.Parameter:
     """Make the frozen model's backward run as deep as LoRA's: the first layer's q, k and v outputs get a trainable
     zero added (LoRA's gradients need those outputs' gradients; nothing below them is trained). A parameter, not
     ``requires_grad_`` on the output, so that a compiled layer traces it."""
@@ -186,6 +187,7 @@ def reach_first_layer(model: nn.Module) -> None:
     attn = model.model.layers[0].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(attn, name).register_forward_hook(mark)
+    return zero
 
 
 def compile_layers(model: nn.Module, mode: str = "default") -> nn.Module:
@@ -234,8 +236,7 @@ def build_cases(base: nn.Module, r: int, alpha: float, backend: str, modes: tupl
         model = shell(base)
         for p in model.parameters():
             p.requires_grad_(False)
-        reach_first_layer(model)
-        return Case(model, None)
+        return Case(model, None, marker=reach_first_layer(model))
 
     cases = {
         "frozen": frozen(), "peft_fp32": peft_case(True), "peft_bf16": peft_case(False),
@@ -289,6 +290,8 @@ def step_fn(case: Case, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
         if case.optimizer is not None:
             case.optimizer.step()
             case.optimizer.zero_grad(set_to_none=True)
+        elif case.marker is not None:  # a kept gradient would accumulate into a CUDA graph's output, overwritten
+            case.marker.grad = None  # by the next replay
         return loss
 
     return step

@@ -153,6 +153,13 @@ def test_frozen_backward_reaches_the_first_layers_qkv_outputs_and_no_deeper():
     assert all(p.grad is None for name, p in frozen.named_parameters() if name != "depth_marker")
 
 
+def test_frozen_step_keeps_no_gradient_between_steps():
+    # Under CUDA graphs a gradient kept across steps would accumulate into a graph output the next replay overwrites.
+    cases, ids = tiny_cases()
+    model.step_fn(cases["frozen"], ids)()
+    assert cases["frozen"].model.depth_marker.grad is None
+
+
 @pytest.mark.slow
 def test_model_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
     if torch.cuda.is_available():

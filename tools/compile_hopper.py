@@ -41,8 +41,11 @@ TARGET = triton.backends.compiler.GPUTarget("cuda", 90, 32)
 INTEGER_OPS = ("LOP3", "IMAD", "SHF", "IADD3", "ISETP", "SEL", "PRMT", "VIADD", "LEA", "IABS", "IMNMX")
 
 
-def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tuple]:
-    """``{launch name: (spec, kernel, args, consts)}`` of the op's launches at this shape, bf16, run on CPU
+def capture_launches(
+    M: int, K: int, N: int, r: int, sms: int, adapters: torch.dtype = torch.bfloat16
+) -> dict[str, tuple]:
+    """``{launch name: (spec, kernel, args, consts)}`` of the op's launches at this shape, bf16 (the adapters in
+    ``adapters``), run on CPU
     tensors with the GPU's choices and the launch stubbed. Patches the kernel modules for good: a script's job."""
     os.environ.pop("TRITON_INTERPRET", None)  # the launchers ask at call time: the GPU's choices, not the interpreter's
     captured = []
@@ -65,7 +68,7 @@ def capture_launches(M: int, K: int, N: int, r: int, sms: int) -> dict[str, tupl
 
     dt, s = torch.bfloat16, 2.0
     x, dy = torch.randn(M, K, dtype=dt), torch.randn(M, N, dtype=dt)
-    W, A, B = torch.randn(N, K, dtype=dt), torch.randn(r, K, dtype=dt), torch.randn(N, r, dtype=dt)
+    W, A, B = torch.randn(N, K, dtype=dt), torch.randn(r, K, dtype=adapters), torch.randn(N, r, dtype=adapters)
     S, G = torch.randn(M, r, dtype=dt), torch.randn(M, r, dtype=dt)
     drop = {"p": 0.1, "seed": torch.tensor([1])}  # the call's seed, [1] int64 (read in device memory)
     calls = {
@@ -176,11 +179,13 @@ def main():
     parser.add_argument("--launches", default="", help="comma-separated subset (default: every launch)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the launchers size their grids for")
     parser.add_argument("--sass", default="", help="directory to write each kernel's SASS into")
+    parser.add_argument("--adapters", default="bf16", choices=("bf16", "fp32"), help="the adapters' dtype")
     args = parser.parse_args()
     M, K, N, r = (int(v) for v in args.shape.split(","))
-    launches = capture_launches(M, K, N, r, args.sms)
+    adapters = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.adapters]
+    launches = capture_launches(M, K, N, r, args.sms, adapters)
     wanted = set(args.launches.split(",")) if args.launches else set(launches)
-    print(f"triton {triton.__version__}, sm_90a, M,K,N,r = {M},{K},{N},{r}")
+    print(f"triton {triton.__version__}, sm_90a, M,K,N,r = {M},{K},{N},{r}, {args.adapters} adapters")
     print(f"{'launch':>17} {'config':>34} {'regs':>5} {'local':>6} {'smem':>7} {'est':>7}  wgmma loops")
     bad = []
     for name, (spec, kernel, call_args, consts) in launches.items():
