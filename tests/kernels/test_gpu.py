@@ -98,6 +98,30 @@ def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypa
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("drop", [None, "pre", "post"])
+def test_gpu_fp32_adapters_give_their_bf16_casts_results(drop):
+    # fp32 masters read by the kernels (fused launches, TMA GEMM, pointer rank term) round each tile as a cast would:
+    # the results are those of adapters cast beforehand, up to the summation order of configs tuned apart, and dA,
+    # dB come back in fp32. Each layout tunes on its own, so equality is not bitwise.
+    torch.manual_seed(0)
+    x, weight, b, lora_A, lora_B, dy = make_inputs(2048, 1024, 1536, 16, torch.bfloat16, device="cuda")
+    A32 = lora_A.float() + 1e-3 * torch.randn_like(lora_A, dtype=torch.float32)
+    B32 = lora_B.float() + 1e-3 * torch.randn_like(lora_B, dtype=torch.float32)
+    dropout = None if drop is None else Dropout(p=0.1, seed=seed_tensor(3, "cuda"), position=drop, k_offset=5)
+    cast = (A32.bfloat16(), B32.bfloat16())
+    y, s_lora = kernels.forward(x, weight, b, A32, B32, SCALE, dropout)
+    y_ref, s_ref = kernels.forward(x, weight, b, *cast, SCALE, dropout)
+    dx, dA, dB = kernels.backward(dy, x, weight, A32, B32, s_lora, SCALE, dropout)
+    dx_ref, dA_ref, dB_ref = kernels.backward(dy, x, weight, *cast, s_ref, SCALE, dropout)
+    assert dA.dtype == dB.dtype == torch.float32 and dx.dtype == y.dtype == torch.bfloat16
+    for name, got, ref in (("y", y, y_ref), ("S", s_lora, s_ref), ("dx", dx, dx_ref), ("dA", dA, dA_ref),
+                           ("dB", dB, dB_ref)):  # fmt: skip
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e} against the cast adapters' result"
+
+
+@gpu
+@needs_cuda
 def test_gpu_backward_is_bitwise_deterministic_and_masks_match():
     torch.manual_seed(0)
     x, weight, b, lora_A, lora_B, dy = make_inputs(4096, 1024, 2048, 16, torch.bfloat16, device="cuda")
@@ -366,13 +390,14 @@ def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly(
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("r", [16, 32, 64, 256])
+@pytest.mark.parametrize("r", [16, 32, 64, 256, "16-fp32"])
 @pytest.mark.parametrize("op", ["dx_grads", "dx_grads_db_sums", "shrink_gemm", "shrink_db"])
 def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
     # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two
     # reductions, dA and the sums of dB's partials, or the producers' shrink); their buffers share shared memory
     # (the estimate takes the larger), which only holds if the compiler reuses them. shrink_db's two dots stage
     # dB's partial on its way out.
+    r, adapters = (16, torch.float32) if r == "16-fp32" else (r, torch.bfloat16)  # fp32 masters: wider tiles
     if op == "shrink_gemm" and r > 64:
         pytest.skip("ranks above 64 keep the separate shrink")
     if op in ("shrink_db", "dx_grads_db_sums") and r > shrink_db.MAX_DB_R_PAD:
@@ -384,6 +409,7 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     torch.manual_seed(0)
     M, K, N = 4096, 1024, 512
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, r, torch.bfloat16, device="cuda")
+    lora_A, lora_B = lora_A.to(adapters), lora_B.to(adapters)
     g, s_lora = (torch.randn(M, r, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     seed = torch.tensor([1], device="cuda")  # the call's seed, read in device memory
     if op == "dx_grads":
