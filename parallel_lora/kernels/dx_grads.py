@@ -30,7 +30,7 @@ def dx_grads_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     red = {"BLOCK_F": cfg["RED_BLOCK_F"], "BLOCK_M": consts["RED_BLOCK_M"]}
     # ``RED_STAGES`` buffers: Triton 3.6 allocates that many for an explicitly staged TMA loop (3.9 one fewer).
     red_smem = reduce_smem(red, consts["RED_STAGES"], elem, consts)
-    return max(tma_smem(cfg, stages, elem, consts, "a_ptr"), red_smem) + ATOMIC_SLOT
+    return max(tma_smem(cfg, stages, elem, consts), red_smem) + ATOMIC_SLOT
 
 
 ITEM_ROWS = 2048  # the launch's tail at 8192 x 4096 -> 14336: ~12 us, against ~46 with whole columns (H200)

@@ -14,7 +14,7 @@ import triton.language as tl
 from .blocks import gemm_tiles
 from .dropout_mask import mask_keys
 from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank
-from .spec import KernelSpec, adapter_bytes
+from .spec import KernelSpec
 from .tuning import sm_count
 
 GEMM_KEY = ("M", "N_OUT", "K_RED", "R")
@@ -51,12 +51,12 @@ def tma_configs_with(name: str, values: Sequence[int]) -> list[triton.Config]:
     ]
 
 
-def tma_smem(cfg: dict, stages: int, elem: int, consts: dict, f_arg: str = "f_ptr") -> int:
-    """``f_arg``: the kernel's name of the rank term's adapter factor."""
+def tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
+    # The rank tiles' dot operands in the compute dtype: an fp32 adapter tile, loaded outside the K loop, stays in
+    # registers until rounded (RANK_TMA, which stages it, takes 16-bit adapters only).
     bm, bn, bk, br = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], consts["BLOCK_R"]
     rank_barriers = 16 if consts.get("RANK_TMA") else 0
-    rank = adapter_bytes(bn * br, 1, elem, consts, f_arg)
-    return (stages * (bm + bn) * bk + bm * bn // 2 + bm * br) * elem + rank + stages * 8 + rank_barriers
+    return (stages * (bm + bn) * bk + bm * bn // 2 + (bm + bn) * br) * elem + stages * 8 + rank_barriers
 
 
 # fmt: off
