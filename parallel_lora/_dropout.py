@@ -19,11 +19,11 @@ Word = torch.Tensor | int
 @dataclass(frozen=True)
 class Dropout:
     """Dropout on the LoRA branch of one call: ``"pre"`` drops ``x [M, K]`` before ``A``, ``"post"`` drops
-    ``x A^T [M, r]``; ``k_offset`` is a row-parallel shard's first global input column; ``seed`` is ``[1]`` int64 on
-    the operands' device (``seed_tensor`` makes one from an int)."""
+    ``x A^T [M, r]``; ``k_offset`` is a row-parallel shard's first global input column; ``seed`` as ``check_seed``
+    takes it."""
 
     p: float
-    seed: torch.Tensor
+    seed: torch.Tensor | int
     position: str = "pre"
     k_offset: int = 0
 
@@ -59,11 +59,26 @@ def check_dropout(p: float, position: str = "pre", k_offset: int = 0, name: str 
         raise ValueError(f"dropout k_offset must be an int >= 0, got {k_offset!r}")
 
 
-def check_seed(seed: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """``seed`` as the kernels read it, ``[1]`` int64 (on ``device`` when given); ``ValueError`` otherwise."""
+INT64_MIN, INT64_END = -(2**63), 2**63
+
+
+def check_seed(seed: torch.Tensor | int, device: torch.device | None = None) -> torch.Tensor | int:
+    """A dropout seed is a 64-bit value: a ``[1]`` int64 tensor on the operands' ``device`` (when given), or a host
+    int in the int64 range, which a CUDA graph capture on ``device`` refuses. Returns it (a tensor as ``[1]``);
+    ``ValueError`` otherwise."""
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if not INT64_MIN <= seed < INT64_END:
+            raise ValueError(f"an int dropout seed must be in [-2**63, 2**63), got {seed}")
+        if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"LoRA dropout: a host-side seed ({seed}) cannot be captured in a CUDA graph: every replay would "
+                "reuse its mask. Let the layer draw its seeds (parallel_lora._dropout.DropoutStream, or "
+                "dropout_seed=None in lora_linear), or capture with dropout=0.0."
+            )
+        return seed
     if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or seed.numel() != 1:
         got = f"a {seed.dtype} tensor of shape {list(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)
-        raise ValueError(f"a dropout seed must be a 1-element int64 tensor (seed_tensor(int, device)), got {got}")
+        raise ValueError(f"a dropout seed must be an int or a 1-element int64 tensor, got {got}")
     if device is not None and seed.device != device:
         raise ValueError(f"the dropout seed must be on the operands' device {device}, got {seed.device}")
     return seed.reshape(1)
@@ -118,6 +133,27 @@ def keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.device | str
 
 
 SEED_BOUND = 2**62
+MASK64 = 2**64 - 1
+MIX_M0 = 0x9E3779B97F4A7C15  # odd: spreads the generator's seed before its offset is added
+MIX_M1 = 0xBF58476D1CE4E5B9  # splitmix64's finalizer
+MIX_M2 = 0x94D049BB133111EB
+PHILOX_STEP = 4  # CUDA generators move their Philox offset in multiples of 4
+
+
+def philox_seed(initial_seed: int, philox_offset: int, offset: int = 0) -> int:
+    """The seed of a CUDA generator state ``(initial_seed, philox_offset)``: an int in ``[offset, offset + 2**62)``,
+    a 64-bit mix of the two (splitmix64's finalizer over ``initial_seed * MIX_M0 + philox_offset``)."""
+    z = (initial_seed * MIX_M0 + philox_offset) & MASK64
+    z = ((z ^ (z >> 30)) * MIX_M1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX_M2) & MASK64
+    return offset + ((z ^ (z >> 31)) >> 2)
+
+
+def generator_seed(generator, offset: int = 0) -> int:
+    """``philox_seed`` of a CUDA ``generator``'s state, advancing its offset by one step: no launch, no sync."""
+    philox_offset = generator.get_offset()
+    generator.set_offset(philox_offset + PHILOX_STEP)
+    return philox_seed(generator.initial_seed(), philox_offset, offset)
 
 
 def new_seed() -> int:
@@ -126,29 +162,30 @@ def new_seed() -> int:
 
 
 def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
-    """An int seed as a ``[1]`` int64 tensor on ``device``; raises in CUDA graph capture (replays would reuse it)."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"LoRA dropout: a host-side seed ({seed}) cannot be captured in a CUDA graph: every replay would reuse "
-            "its mask. Let the layer draw its seeds (parallel_lora._dropout.DropoutStream, or dropout_seed=None in "
-            "lora_linear), or capture with dropout=0.0."
-        )
+    """An int seed, mod 2**64, as a ``[1]`` int64 tensor on ``device``."""
     seed = int(seed) % 2**64
     return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)
 
 
-def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """A fresh seed, ``[1]`` int64 in ``[offset, offset + 2**62)``, drawn on ``like``'s device in one op (no sync)."""
+def draw_seed(like: torch.Tensor, offset: int = 0, on_device: bool = False) -> torch.Tensor | int:
+    """A fresh seed in ``[offset, offset + 2**62)`` for a call on ``like``'s device, from its default generator: an
+    int, or ``[1]`` int64 drawn on the device (no sync) while compiling, in CUDA graph capture or ``on_device``."""
     if torch.compiler.is_compiling():
         return torch.ops.parallel_lora.dropout_seed(like, offset)
-    return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=like.device)
+    device = like.device
+    if not on_device:
+        if device.type == "cpu":
+            return int(torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64).item())
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return generator_seed(torch.cuda.default_generators[index], offset)
+    return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=device)
 
 
 # The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device.
 @custom_op("parallel_lora::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    return draw_seed(like, offset)
+    return draw_seed(like, offset, on_device=True)
 
 
 @_dropout_seed_op.register_fake
@@ -157,7 +194,8 @@ def _(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
 
 
 class CallSeeds:
-    """A layer's seeds by CPU-generator tag: a call keeps its ``seed``, a checkpoint rerun in backward gets it back."""
+    """A layer's seeds by tag: a call keeps its ``seed`` under ``tag``, a checkpoint rerun in backward gets it back
+    (an int seed is its own tag: then the rerun checks that it drew its forward's seed)."""
 
     # Calls of one layer whose rerun may still be to come: micro-batches in flight times calls per forward.
     KEPT = 64
@@ -165,8 +203,7 @@ class CallSeeds:
     def __init__(self) -> None:
         self._seeds: OrderedDict[int, torch.Tensor | int] = OrderedDict()
 
-    def __call__(self, seed: torch.Tensor | int, tag: int | None = None) -> torch.Tensor | int:
-        tag = new_seed() if tag is None else tag
+    def __call__(self, seed: torch.Tensor | int, tag: int) -> torch.Tensor | int:
         # -1 outside a backward pass, as torch.utils.checkpoint tests it.
         if torch._C._current_graph_task_id() == -1:
             self._seeds[tag] = seed
@@ -179,7 +216,7 @@ class CallSeeds:
             raise RuntimeError(
                 "LoRA dropout: a forward call inside the backward pass (an activation-checkpoint rerun) matches none "
                 f"of this layer's last {self.KEPT} forward calls, so it cannot draw its forward's mask again (dB "
-                "would be computed under another mask). Either the checkpoint did not restore the CPU generator "
+                "would be computed under another mask). Either the checkpoint did not restore the generators "
                 "(use preserve_rng_state=True, the default of torch.utils.checkpoint; torchtitan's "
                 "activation_checkpoint.preserve_rng_state defaults to False), or more calls of this "
                 "layer ran between a forward and its rerun (raise parallel_lora._dropout.CallSeeds.KEPT)."
@@ -197,9 +234,11 @@ class DropoutStream:
         self.offset = offset
         self._calls = CallSeeds()
 
-    def next_seed(self, x: torch.Tensor) -> torch.Tensor:
-        """This forward call's seed, ``[1]`` int64 on the device of ``x`` (the layer's input)."""
+    def next_seed(self, x: torch.Tensor) -> torch.Tensor | int:
+        """This forward call's seed (``draw_seed``) for the layer's input ``x``."""
         seed = draw_seed(x, self.offset)
+        if isinstance(seed, int):
+            return self._calls(seed, seed)
         if torch.compiler.is_compiling():
             return seed
-        return self._calls(seed, int(seed.item()) if x.device.type == "cpu" else None)
+        return self._calls(seed, new_seed())  # CUDA graph capture: the CPU generator's tag

@@ -50,10 +50,10 @@ class Plan:
         self.fwd_entry = None
         self.bwd_entries: dict = {}
 
-    def _dropout(self, seed: torch.Tensor | None) -> Dropout | None:
+    def _dropout(self, seed: torch.Tensor | int | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
 
-    def _op_scalars(self, seed: torch.Tensor | None) -> tuple:
+    def _op_scalars(self, seed: torch.Tensor | int | None) -> tuple:
         return self.scale, self.p, seed, self.position, self.k_offset
 
     def forward(self, x, weight, bias, lora_A, lora_B, seed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,17 +224,14 @@ def lora_linear(
         scale: ``alpha / r`` (or ``alpha / sqrt(r)``); dropout_p: on the LoRA branch, only when ``training``.
         backend: ``"auto"`` (Triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
         dropout_position: ``"pre"`` (on ``x``) or ``"post"`` (on ``x A^T``).
-        dropout_seed: None draws one on ``x``'s device; a ``[1]`` int64 device tensor as is; an int is copied per call.
+        dropout_seed: None draws one (``_dropout.draw_seed``); else a seed as ``_dropout.check_seed`` takes it.
     """
     plan = make_plan(x, weight, bias, lora_A, lora_B, scale, backend, dropout_p, training, dropout_position)
     seed = None
     if plan.p > 0.0:
-        if dropout_seed is None:
-            seed = draw_seed(x)
-        elif isinstance(dropout_seed, torch.Tensor):
-            seed = check_seed(dropout_seed, x.device)
-        else:
-            seed = seed_tensor(dropout_seed, x.device)
+        seed = draw_seed(x) if dropout_seed is None else check_seed(dropout_seed, x.device)
+        if isinstance(seed, int) and torch.compiler.is_compiling():
+            seed = seed_tensor(seed, x.device)  # the compiled op takes its seed as a tensor
     return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)
 
 

@@ -32,7 +32,7 @@ import triton.language as tl  # noqa: E402
 from parallel_lora import kernels  # noqa: E402  (after the skip: importing defines the jit functions)
 from parallel_lora.kernels import launcher  # noqa: E402
 from parallel_lora.kernels.dropout_mask import drop_tile, hash_tile, mask_keys  # noqa: E402
-from parallel_lora.kernels.host import cdiv  # noqa: E402
+from parallel_lora.kernels.host import cdiv, seed_arg  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -166,7 +166,7 @@ def uniform_tile(k_row, k_col, rows, cols):
     return ((h >> ((c & 1) * 16)) & 0xFFFF).to(tl.float32) * 1.52587890625e-05
 
 
-@triton.jit(do_not_specialize=["col_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "col_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_dropout_mask_kernel(
     out_ptr,  # [rows, cols] uint8 keep-mask, or fp32 uniforms when WRITE_UNIFORM
     rows,
@@ -174,7 +174,8 @@ def _lora_dropout_mask_kernel(
     stride_om,
     stride_oc,
     p,
-    seed_ptr,  # [1] int64, the call's seed
+    seed_ptr,  # [1] int64: the call's seed is load(seed_ptr) + seed_salt
+    seed_salt: tl.int64,
     col_offset,
     WRITE_UNIFORM: tl.constexpr,
     ODD_OFFSET: tl.constexpr,  # col_offset is odd
@@ -185,7 +186,7 @@ def _lora_dropout_mask_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :] * stride_oc
     in_bounds = (offs_m[:, None] < rows) & (offs_c[None, :] < cols)
-    k_row, k_col = mask_keys(seed_ptr, True)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, True)
     if WRITE_UNIFORM:
         u = uniform_tile(k_row, k_col, offs_m[:, None], col_offset + offs_c[None, :])
         tl.store(ptrs, u, mask=in_bounds)
@@ -195,15 +196,17 @@ def _lora_dropout_mask_kernel(
         tl.store(ptrs, keep, mask=in_bounds)
 
 
-def _draw(seed, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool) -> torch.Tensor:
+def _draw(seed, p: float, rows: int, cols: int, col_offset: int, device, uniform: bool, salt: int = 0) -> torch.Tensor:
     out = torch.empty(rows, cols, device=device, dtype=torch.float32 if uniform else torch.uint8)
     if rows == 0 or cols == 0:
         return out
     if not isinstance(seed, torch.Tensor):
-        seed = seed_tensor(seed, device)
+        seed = (int(seed) + 2**63) % 2**64 - 2**63  # mod 2**64, in int64 as the kernels take it
+    seed_ptr, seed_salt = seed_arg(seed, out)  # an int as the kernels take it: a scalar beside a zero in memory
+    seed_salt += salt
     grid = (cdiv(rows, 32), cdiv(cols, 32))
     _lora_dropout_mask_kernel[grid](
-        out, rows, cols, out.stride(0), out.stride(1), float(p), seed, int(col_offset),
+        out, rows, cols, out.stride(0), out.stride(1), float(p), seed_ptr, seed_salt, int(col_offset),
         WRITE_UNIFORM=uniform, ODD_OFFSET=col_offset % 2 == 1, BLOCK_M=32, BLOCK_C=32,
     )  # fmt: skip
     return out
@@ -221,8 +224,9 @@ def dropout_keep_mask(dropout: Dropout, rows: int, cols: int, device: torch.devi
 
 
 def kernel_uniforms(
-    seed: int | torch.Tensor, rows: int, cols: int, col_offset: int, device: torch.device | str
+    seed: int | torch.Tensor, rows: int, cols: int, col_offset: int, device: torch.device | str, salt: int = 0
 ) -> torch.Tensor:
     """The kernels' fp32 uniforms ``u(m, col_offset + c)``, ``[rows, cols]``, for ``seed`` (an int, or a ``[1]``
-    int64 tensor on ``device``), to check the eager ``parallel_lora._dropout.hash_uniform`` bit for bit."""
-    return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True)
+    int64 tensor on ``device`` plus the scalar ``salt``), to check the eager ``parallel_lora._dropout.hash_uniform``
+    bit for bit."""
+    return _draw(seed, 0.0, rows, cols, col_offset, device, uniform=True, salt=salt)

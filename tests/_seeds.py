@@ -12,16 +12,17 @@ import parallel_lora._dropout
 
 
 @contextlib.contextmanager
-def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor]]]:
+def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor | int]]]:
     """Yields a list that collects every seed drawn at run time (not while tracing), in order, with whether the draw
     ran in a backward pass (a checkpoint's rerun or recompute). Enter it before compiling: Dynamo guards on the
     draw function."""
     seeds, draw = [], parallel_lora._dropout.draw_seed
 
-    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        seed = draw(like, offset)
+    def recording(like: torch.Tensor, offset: int = 0, on_device: bool = False) -> torch.Tensor | int:
+        seed = draw(like, offset, on_device)
         if not torch.compiler.is_compiling():
-            seeds.append((torch._C._current_graph_task_id() != -1, seed.clone()))
+            kept = seed.clone() if isinstance(seed, torch.Tensor) else seed
+            seeds.append((torch._C._current_graph_task_id() != -1, kept))
         return seed
 
     parallel_lora._dropout.draw_seed = recording
@@ -32,8 +33,9 @@ def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor]]]:
 
 
 @contextlib.contextmanager
-def given_seeds(layers: Iterable[nn.Module], seeds: list[torch.Tensor]) -> Iterator[None]:
-    """The layers' eager forwards take ``seeds`` (``[1]`` int64 on the device), in call order, instead of drawing."""
+def given_seeds(layers: Iterable[nn.Module], seeds: list[torch.Tensor | int]) -> Iterator[None]:
+    """The layers' eager forwards take ``seeds`` (ints or ``[1]`` int64 on the device), in call order, instead of
+    drawing."""
     layers, given = list(layers), iter(seeds)
     for m in layers:
         m._dropout_stream.next_seed = lambda x: next(given)

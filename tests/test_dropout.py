@@ -5,13 +5,15 @@ the hash's arithmetic is checked against plain Python integers, and its statisti
 fair coins, on ~1M elements: a bad hash (a weak combine of row and column, a seed word that does not reach the
 mask, a period along an axis, seeds that only permute the mask) fails these. The hash is deterministic, so the
 bounds (5 to 7 sigma) never flake. Last, the seeds: ints and their device tensors key the same mask, and
-``DropoutStream`` draws a fresh one per call from the generator, compiled or not.
+``DropoutStream`` draws a fresh one per call from the generator, compiled or not; on CUDA (a stand-in generator
+here) from the Philox state alone.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,10 +25,12 @@ from parallel_lora._dropout import (
     _mul32,
     draw_seed,
     fmix32,
+    generator_seed,
     hash_bits,
     hash_keys,
     hash_uniform,
     keep_mask,
+    philox_seed,
     seed_tensor,
 )
 
@@ -243,14 +247,14 @@ def test_the_stream_draws_a_fresh_seed_per_call_that_the_generator_replays():
     torch.manual_seed(5)
     stream = DropoutStream()
     seeds = [stream.next_seed(x) for _ in range(4)]
-    assert all(s.dtype == torch.int64 and s.shape == (1,) and 0 <= int(s) < 2**62 for s in seeds)
-    assert len({int(s) for s in seeds}) == 4
+    assert all(isinstance(s, int) and 0 <= s < 2**62 for s in seeds)  # on the CPU: ints from its generator
+    assert len(set(seeds)) == 4
     torch.manual_seed(5)
     again = DropoutStream()  # another layer (or a copy) from the same generator state: the same seeds
-    assert [int(again.next_seed(x)) for _ in range(4)] == [int(s) for s in seeds]
+    assert [again.next_seed(x) for _ in range(4)] == seeds
     torch.manual_seed(5)
     shifted = DropoutStream(offset=2**61)
-    assert [int(shifted.next_seed(x)) for _ in range(4)] == [int(s) + 2**61 for s in seeds]
+    assert [shifted.next_seed(x) for _ in range(4)] == [s + 2**61 for s in seeds]
 
 
 @pytest.mark.parametrize("offset", [-1, 2**62, 1.5, True])
@@ -291,6 +295,55 @@ def test_a_stream_with_an_offset_draws_its_seed_in_one_op():
     assert len(device_ops) == 1 and device_ops[0].startswith("randint"), rec.ops
 
 
+def test_philox_seed_is_a_function_of_the_generator_state_in_the_stream_range():
+    # A CUDA call's seed mixes its generator's (initial_seed, Philox offset): a new one per offset step, the same
+    # one for the same state (a restored generator replays it), and the stream's offset shifts its range.
+    seeds = [philox_seed(7, 4 * i) for i in range(20000)]
+    assert len(set(seeds)) == len(seeds), "two offsets drew one seed"
+    assert seeds == [philox_seed(7, 4 * i) for i in range(20000)]
+    assert all(0 <= s < 2**62 for s in seeds)
+    assert 0.48 < sum(s >= 2**61 for s in seeds) / len(seeds) < 0.52, "the seeds do not fill their range"
+    assert not set(seeds) & {philox_seed(8, 4 * i) for i in range(20000)}, "another generator seed drew alike"
+    assert philox_seed(2**64 - 1, 2**40) < 2**62  # any uint64 generator seed
+    for offset in (1, 2**61, 2**62 - 1):
+        shifted = [philox_seed(7, 4 * i, offset) for i in range(100)]
+        assert shifted == [s + offset for s in seeds[:100]] and max(shifted) < 2**63  # an int64 seed
+
+
+class _PhiloxGenerator:
+    """A CUDA generator's host state, as ``generator_seed`` reads it."""
+
+    def __init__(self, seed: int, offset: int) -> None:
+        self.seed, self.offset = seed, offset
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        assert offset % 4 == 0, "Philox offsets move in steps of 4"
+        self.offset = offset
+
+
+def test_a_cuda_call_draws_its_seed_from_the_generator_state_with_no_tensor_op(monkeypatch):
+    # No launch, no sync and no CPU-generator tag: the draw reads the CUDA generator's state and advances its
+    # offset; a checkpoint that restores that state reruns the forward's seeds.
+    generator = _PhiloxGenerator(2**64 - 3, 8)
+    monkeypatch.setattr(torch.cuda, "default_generators", (generator,))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x = SimpleNamespace(device=torch.device("cuda", 0))
+    stream = DropoutStream(offset=2**61)
+    cpu_state = torch.get_rng_state()
+    with _Ops() as rec:
+        seeds = [stream.next_seed(x) for _ in range(3)]
+    assert rec.ops == [] and torch.equal(torch.get_rng_state(), cpu_state)
+    assert seeds == [philox_seed(2**64 - 3, 8 + 4 * i, 2**61) for i in range(3)] and generator.offset == 20
+    generator.offset = 8
+    assert [generator_seed(generator, 2**61) for _ in range(3)] == seeds
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -298,7 +351,10 @@ def test_a_stream_with_an_offset_draws_its_seed_in_one_op():
         ({"p": 1 - 2**-16}, r"1 - 2\*\*-16\)"),  # its 16-bit keep threshold would not fit the mask's uniforms
         ({"position": "mid"}, "dropout_position must be 'pre' or 'post'"),
         ({"k_offset": -1}, "k_offset must be an int >= 0"),
-        ({"seed": 3}, "a dropout seed must be a 1-element int64 tensor"),
+        ({"seed": 2**63}, r"an int dropout seed must be in \[-2\*\*63, 2\*\*63\)"),
+        ({"seed": -(2**63) - 1}, r"must be in \[-2\*\*63"),
+        ({"seed": 3.0}, "a dropout seed must be an int or a 1-element int64 tensor"),
+        ({"seed": True}, "an int or a 1-element int64 tensor"),
         ({"seed": torch.tensor([1, 2])}, "1-element int64"),
         ({"seed": torch.tensor([1.0])}, "1-element int64"),
     ],

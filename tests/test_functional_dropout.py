@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
+from parallel_lora._dropout import Dropout, check_seed, keep_mask, seed_tensor
 from tests._functional import (  # noqa: F401  (_backend_device: an autouse fixture, used by being imported)
     BACKENDS,
     BF16,
@@ -124,17 +125,51 @@ def test_triton_drops_the_same_elements_as_torch(position):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_tensor_seed_draws_the_mask_of_its_int(backend):
-    # The kernels read the seed in device memory; an int is copied there, mod 2**64 (two's complement in int64).
+def test_an_int_seed_and_its_tensor_draw_one_mask(backend):
+    # The kernels take an int as a scalar and a tensor from memory; the torch backend hashes either: one 64-bit
+    # seed, one mask, forward and backward.
     inp = make_inputs(FP32)
-    seed, kwargs = 2**63 + 5, {"dropout_p": 0.3, "training": True}
-    _, y_int = run_op(FP32, inp, backend, dropout_seed=seed, **kwargs)
+    seed, kwargs = -(2**63) + 5, {"dropout_p": 0.3, "training": True}
     seed_t = seed_tensor(seed, inp.x_leaf.device)
-    assert seed_t.tolist() == [seed - 2**64]
-    _, y_tensor = run_op(FP32, inp, backend, dropout_seed=seed_t, **kwargs)
-    assert torch.equal(y_int, y_tensor)
-    _, y_other = run_op(FP32, inp, backend, dropout_seed=seed + 1, **kwargs)
-    assert not torch.equal(y_int, y_other)
+    assert seed_t.tolist() == [seed] and seed_tensor(2**63 + 5, "cpu").tolist() == [seed]  # mod 2**64
+    dy = None
+    runs = []
+    for given in (seed, seed_t, seed + 1):
+        x, y = run_op(FP32, inp, backend, dropout_seed=given, **kwargs)
+        dy = torch.randn_like(y) if dy is None else dy
+        runs.append((y, *grads_of(y, x, inp, dy)))
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(runs[2][0], runs[0][0])
+
+
+class _SeedSizedTensors(TorchDispatchMode):
+    """Records the ops that make a ``[1]`` int64 tensor (not in place: the interpreter writes its arguments back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        made = isinstance(out, torch.Tensor) and out.dtype == torch.int64 and out.shape == (1,)
+        if made and not func._schema.is_mutable:
+            self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_int_seed_goes_to_the_kernels_with_no_tensor_made_per_call(backend):
+    inp = make_inputs(FP32)
+    kwargs = {"dropout_p": 0.3, "training": True, "dropout_seed": 2**40 + 3}
+    run_op(FP32, inp, backend, **kwargs)  # the kernels' first int on this device makes its zero seed tensor
+    with _SeedSizedTensors() as made:
+        x, y = run_op(FP32, inp, backend, **kwargs)
+        grads_of(y, x, inp, torch.ones_like(y))
+    assert made.ops == []
+    with _SeedSizedTensors() as made:  # not vacuous: a tensor made from an int is seen
+        seed_tensor(2**40 + 3, inp.x_leaf.device)
+    assert made.ops
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,11 +189,12 @@ def test_no_seed_draws_one_on_the_device_per_call_reproducibly(backend):
 
 
 def test_a_host_side_seed_refuses_cuda_graph_capture(monkeypatch):
-    # An int seed is copied to the device at each call: a captured step would replay one mask forever. A seed
-    # tensor drawn on the device replays fresh (tests/test_compile.py).
+    # A captured int would be replayed as it was, one mask forever. A seed tensor drawn on the device replays
+    # fresh (tests/test_compile.py).
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        seed_tensor(3, "cuda")
+        check_seed(3, torch.device("cuda", 0))
+    assert check_seed(3, torch.device("cpu")) == 3
 
 
 @pytest.mark.gpu

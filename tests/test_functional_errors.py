@@ -77,10 +77,12 @@ def test_auto_backend_is_torch_on_cpu():
 
 
 @pytest.mark.parametrize(
-    "seed", [torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], device="meta")], ids=["two", "float", "meta"]
+    "seed",
+    [torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], device="meta"), 2**63, -(2**63) - 1, 1.0],
+    ids=["two", "float", "meta", "int_above", "int_below", "float_scalar"],
 )
-def test_a_bad_seed_tensor_raises_value_error(seed):
+def test_a_bad_seed_raises_value_error(seed):
     inp = _good()
-    with pytest.raises(ValueError, match="1-element int64 tensor|on the operands' device"):
+    with pytest.raises(ValueError, match=r"1-element int64 tensor|on the operands' device|must be in \[-2\*\*63"):
         lora_linear(inp.x_leaf, inp.weight, inp.bias, inp.lora_A, inp.lora_B, SCALE, dropout_p=0.1, training=True,
                     dropout_seed=seed)  # fmt: skip

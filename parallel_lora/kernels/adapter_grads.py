@@ -48,18 +48,18 @@ REDUCE_M_ALIGN_GPU = 128
 REDUCE_M_ALIGN_INTERP = 32
 
 
-@triton.jit(do_not_specialize=["f_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "f_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_adapter_grads_kernel(
     fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
     M, F_A, F_B, R, m_per_split, num_splits,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws,
-    scale_a, p, seed_ptr, f_offset,
+    scale_a, p, seed_ptr, seed_salt: tl.int64, f_offset,
     DROP_A: tl.constexpr, ODD_OFFSET: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, R_PAD: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Problem a (dA: x, G) and b (dB: dy, S); ``F_A = 0`` or ``F_B = 0`` skips that gradient."""
-    k_row, k_col = mask_keys(seed_ptr, DROP_A)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_A)
     reduce_item(
         tl.program_id(0), tl.program_id(1), fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr,
         M, F_A, F_B, R, m_per_split, num_splits, stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf,
@@ -134,7 +134,7 @@ def lora_adapter_grads(
     s_lora: torch.Tensor | None,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     f_offset: int = 0,
     drop_x: bool = False,
     out_dtype: torch.dtype | None = None,
@@ -157,7 +157,7 @@ def lora_adapter_grads(
     else:
         ws, count = out_a, out_a  # never touched with one split
     tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
-    runtime = (keep_scale(p, drop_x), float(p), seed_arg(seed, feat_a), int(f_offset))
+    runtime = (keep_scale(p, drop_x), float(p), *seed_arg(seed, feat_a), int(f_offset))
     launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset, info=info)
     return dA, dB
 

@@ -219,7 +219,7 @@ def forward_entry(
 
 def run_forward(
     entry: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
-    lora_B: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None, k_offset: int,
+    lora_B: torch.Tensor, scale: float, p: float, seed: torch.Tensor | int | None, mode: str | None, k_offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The launches of a checked layout (``forward_entry``): ``mode`` is the active mask's position or None."""
     drop_kw = {} if mode is None else {"p": p, "seed": seed}
@@ -264,8 +264,8 @@ def backward_entry(
 
 def run_backward(
     entry: tuple, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor,
-    lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | None, mode: str | None,
-    k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool,
+    lora_B: torch.Tensor, s_lora: torch.Tensor, scale: float, p: float, seed: torch.Tensor | int | None,
+    mode: str | None, k_offset: int, needs_dx: bool, needs_dA: bool, needs_dB: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The launches of a checked layout (``backward_entry``); dx in the compute dtype, dA and dB in the adapters'."""
     site_g, site_dx, site_ab, w_nk, db_in_g = entry

@@ -24,12 +24,14 @@ def fmix32(x):
 
 
 @triton.jit
-def mask_keys(seed_ptr, ACTIVE: tl.constexpr):
-    """The uint32 keys ``(k_row, k_col)`` of the int64 seed at ``seed_ptr``; ``(0, 0)``, no load, unless ``ACTIVE``."""
+def mask_keys(seed_ptr, seed_salt, ACTIVE: tl.constexpr):
+    """The uint32 keys ``(k_row, k_col)`` of the 64-bit seed ``load(seed_ptr) + seed_salt`` (int64, wrapping);
+    ``(0, 0)``, no load, unless ``ACTIVE``."""
     k_row = 0
     k_col = 0
     if ACTIVE:
-        seed = tl.load(seed_ptr)
+        # .to: the interpreter types a host int by its value (int32, uint32 or int64), compiled kernels as int64.
+        seed = tl.add(tl.load(seed_ptr), seed_salt.to(tl.int64), sanitize_overflow=False)
         lo = seed.to(tl.uint32)
         hi = (seed >> 32).to(tl.uint32)
         t = fmix32(tl.add(lo, _GOLDEN32, sanitize_overflow=False))

@@ -61,7 +61,7 @@ def sum_partials(
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=f_in[:, None] & (offs_r[None, :] < R))
 
 
-@triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _dx_and_grads_kernel(
     dy_ptr, w_ptr, g_ptr, a_ptr, dx_ptr,
     fa_ptr, ga_ptr, outa_ptr, fb_ptr, gb_ptr, outb_ptr, ws_ptr, count_ptr, pdb_ptr, db_ptr,
@@ -69,7 +69,7 @@ def _dx_and_grads_kernel(
     stride_dym, stride_w, stride_gm, stride_gr, stride_ar, stride_ak, stride_dxm,
     stride_fam, stride_faf, stride_gam, stride_gar, stride_oaf, stride_oar,
     stride_fbm, stride_fbf, stride_gbm, stride_gbr, stride_obf, stride_obr, stride_ws, stride_dbf, stride_dbr,
-    keep_scale, p, seed_ptr, k_offset,
+    keep_scale, p, seed_ptr, seed_salt: tl.int64, k_offset,
     W_NK: tl.constexpr, DB_SUMS: tl.constexpr, LORA_DROP: tl.constexpr, ODD_OFFSET: tl.constexpr,
     RANK_TMA: tl.constexpr, F_T: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -83,7 +83,7 @@ def _dx_and_grads_kernel(
     # As many GEMM programs as keep the number of waves; the rest start on the queue.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N_OUT, BLOCK_N)
     gemm_programs = tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
-    k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, LORA_DROP)
     if pid < gemm_programs:
         gemm_tiles(
             dy_ptr, w_ptr, dx_ptr, g_ptr, a_ptr, dx_ptr, M, N_OUT, K_RED, R,
@@ -145,7 +145,7 @@ def lora_dx_and_grads(
     s_lora: torch.Tensor | None,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     k_offset: int = 0,
     lora_drop: bool = False,
     db_partials: torch.Tensor | None = None,
@@ -177,7 +177,7 @@ def lora_dx_and_grads(
     ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
     count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
-    runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, dy), int(k_offset))
+    runtime = (keep_scale(p, lora_drop), float(p), *seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,
            k_offset, info=info)
     return dx, dA, dB

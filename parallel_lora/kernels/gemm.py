@@ -43,7 +43,7 @@ def gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return (stages * (bm * bk + bk * bn) + rank_buffers * bm * br) * elem + rank
 
 
-@triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -69,6 +69,7 @@ def _lora_gemm_kernel(
     keep_scale,
     p,
     seed_ptr,
+    seed_salt: tl.int64,
     n_offset,
     HAS_BIAS: tl.constexpr,
     LORA_DROP: tl.constexpr,
@@ -117,7 +118,7 @@ def _lora_gemm_kernel(
         s_ptrs += BLOCK_R * stride_sr
         f_ptrs += BLOCK_R * stride_fr
     if LORA_DROP:
-        k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
+        k_row, k_col = mask_keys(seed_ptr, seed_salt, LORA_DROP)
         acc = drop_tile(acc * keep_scale, k_row, k_col, p, offs_m, n_offset + pid_n * BLOCK_N, ODD_OFFSET)
 
     offs_k = tl.arange(0, BLOCK_K)
@@ -162,7 +163,7 @@ def lora_gemm(
     f: torch.Tensor,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     n_offset: int = 0,
     lora_drop: bool = False,
     site: Site | None = None,
@@ -176,7 +177,7 @@ def lora_gemm(
         return out
     # The TMA kernel may read w as w.t(): the same address, and a launch reads only addresses.
     tensors = (x, w, bias if bias is not None else out, s, f, out)
-    runtime = (keep_scale(p, lora_drop), float(p), seed_arg(seed, x), int(n_offset))
+    runtime = (keep_scale(p, lora_drop), float(p), *seed_arg(seed, x), int(n_offset))
     launch(site, tensors, runtime, _describe, x, w, bias, s, f, out, lora_drop, n_offset)
     return out
 

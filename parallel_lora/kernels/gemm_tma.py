@@ -62,7 +62,7 @@ def tma_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
 # fmt: off
 
 
-@triton.jit(do_not_specialize=["n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "n_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_gemm_tma_kernel(
     x_ptr,
     w_ptr,
@@ -85,6 +85,7 @@ def _lora_gemm_tma_kernel(
     keep_scale,
     p,
     seed_ptr,
+    seed_salt: tl.int64,
     n_offset,
     W_NK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -104,7 +105,7 @@ def _lora_gemm_tma_kernel(
 ):
     """``gemm._lora_gemm_kernel``'s arguments; x, w (``[N_OUT, K_RED]`` with ``W_NK``) and out have unit inner
     stride, and ``NUM_SMS`` programs walk the tiles (``blocks.gemm_tiles``)."""
-    k_row, k_col = mask_keys(seed_ptr, LORA_DROP)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, LORA_DROP)
     gemm_tiles(
         x_ptr, w_ptr, bias_ptr, s_ptr, f_ptr, out_ptr, M, N_OUT, K_RED, R,
         stride_xm, stride_w, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,

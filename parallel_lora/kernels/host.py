@@ -53,6 +53,18 @@ def shrink_scale(scale: float, p: float, masked: bool) -> float:
     return scale / (1.0 - p) if masked else scale
 
 
-def seed_arg(seed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    """A kernel's ``seed_ptr``: the call's ``[1]`` int64 seed, or without a mask ``fallback`` (never read)."""
-    return fallback if seed is None else seed
+_ZERO_SEEDS: dict[torch.device, torch.Tensor] = {}
+
+
+def seed_arg(seed: torch.Tensor | int | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A kernel's ``(seed_ptr, seed_salt)``, its seed being ``load(seed_ptr) + seed_salt``: ``(seed, 0)`` for a
+    ``[1]`` int64 tensor, ``(zero, seed)`` for an int (``zero``: one ``[1]`` int64 per device, made at its first
+    int), ``(fallback, 0)`` without a mask (never read)."""
+    if seed is None:
+        return fallback, 0
+    if isinstance(seed, torch.Tensor):
+        return seed, 0
+    zero = _ZERO_SEEDS.get(fallback.device)
+    if zero is None:  # never under CUDA graph capture: check_seed refuses an int there
+        zero = _ZERO_SEEDS[fallback.device] = torch.zeros(1, dtype=torch.int64, device=fallback.device)
+    return zero, seed

@@ -43,7 +43,7 @@ def shrink_fits(cfg: dict, nargs: dict) -> bool:
     return cfg["BLOCK_M"] <= max(32, next_pow2(nargs["M"]))
 
 
-@triton.jit(do_not_specialize=["k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt", "k_offset"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_kernel(
     x_ptr,
     u_ptr,
@@ -60,6 +60,7 @@ def _lora_shrink_kernel(
     out_scale,
     p,
     seed_ptr,
+    seed_salt: tl.int64,
     k_offset,
     DROP_PRE: tl.constexpr,
     ODD_OFFSET: tl.constexpr,
@@ -73,7 +74,7 @@ def _lora_shrink_kernel(
     """``out [M, R] = out_scale * drop_post(drop_pre(x [M, K]) @ u [K, R])``, ``BLOCK_M`` rows a program; the "pre"
     mask at global columns ``k_offset + k``."""
     row0 = tl.program_id(0) * BLOCK_M
-    k_row, k_col = mask_keys(seed_ptr, DROP_PRE or DROP_POST)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_PRE or DROP_POST)
     acc = shrink_rows(
         x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col,
         k_offset, DROP_PRE, ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
@@ -102,7 +103,7 @@ def lora_shrink(
     scale: float,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     k_offset: int = 0,
     drop_pre: bool = False,
     drop_post: bool = False,
@@ -116,7 +117,7 @@ def lora_shrink(
     if M == 0:
         return out
     c = shrink_scale(scale, p, drop_pre or drop_post)
-    runtime = (float(c), float(p), seed_arg(seed, x), int(k_offset))
+    runtime = (float(c), float(p), *seed_arg(seed, x), int(k_offset))
     launch(site, (x, u, out), runtime, _describe, x, u, out, drop_pre, drop_post, k_offset)
     return out
 

@@ -49,12 +49,12 @@ MAX_SPLITS = 8  # the row block's last arrival sums that many G partials alone
 
 
 # fmt: off
-@triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt"], do_not_specialize_on_alignment=["seed_ptr"])
 def _lora_shrink_db_kernel(
     dy_ptr, b_ptr, s_ptr, g_ptr, pdb_ptr, pg_ptr, count_ptr,
     M, N, R, n_per_split, num_splits,
     stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr, stride_gm, stride_gr,
-    out_scale, p, seed_ptr,
+    out_scale, p, seed_ptr, seed_salt: tl.int64,
     DROP_POST: tl.constexpr, R_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -90,7 +90,7 @@ def _lora_shrink_db_kernel(
         part = tl.dot(tl.trans(d), s, input_precision=DOT_PRECISION)
         tl.store(pdb_ptrs + n0 * R_PAD, part, mask=n_in[:, None])
     if DROP_POST:
-        k_row, k_col = mask_keys(seed_ptr, DROP_POST)
+        k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_POST)
         acc = drop_tile(acc, k_row, k_col, p, offs_m, 0, False)
     finish_tile(
         tl.trans(acc * out_scale), g_ptr, pg_ptr, count_ptr, block, 0, M, R, block, split, num_splits,
@@ -150,7 +150,7 @@ def lora_shrink_db(
     scale: float,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -168,7 +168,7 @@ def lora_shrink_db(
     count = stream_buffer(G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
-    runtime = (float(c), float(p), seed_arg(seed, dy))
+    runtime = (float(c), float(p), *seed_arg(seed, dy))
     launch(site, tensors, runtime, _describe, dy, lora_B, s_lora, g, splits, n_per_split, blocks, drop_post, info=info)
     return g, pdb, blocks
 

@@ -60,7 +60,7 @@ def _produce(
             tl.atomic_xchg(flag_ptr, published, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize_on_alignment=["seed_ptr"])
+@triton.jit(do_not_specialize=["seed_salt"], do_not_specialize_on_alignment=["seed_ptr"])
 def _shrink_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -72,7 +72,7 @@ def _shrink_gemm_kernel(
     sync_ptr,
     M, N_OUT, K_RED, R,
     stride_xm, stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-    s_scale, p, seed_ptr,
+    s_scale, p, seed_ptr, seed_salt: tl.int64,
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -92,7 +92,7 @@ def _shrink_gemm_kernel(
     claimed = 2 * epoch + 1
     published = claimed + 1
     flags = sync_ptr + 3
-    k_row, k_col = mask_keys(seed_ptr, DROP_POST)
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_POST)
 
     if pid < spare:
         rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
@@ -174,7 +174,7 @@ def lora_shrink_gemm(
     scale: float,
     *,
     p: float = 0.0,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | int | None = None,
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +189,7 @@ def lora_shrink_gemm(
     sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
     tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
-    runtime = (float(c), float(p), seed_arg(seed, x))
+    runtime = (float(c), float(p), *seed_arg(seed, x))
     launch(site, tensors, runtime, _describe, x, w, w_nk, bias, u, s_lora, f, y, drop_post)
     return y, s_lora
 

@@ -5,26 +5,32 @@ Reference: ``parallel_lora._eager`` in fp64 on the same inputs (``tests/_kernels
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from parallel_lora import kernels
 from parallel_lora._dropout import Dropout, seed_tensor
-from parallel_lora.kernels import workspace
+from parallel_lora.kernels import dispatch, workspace
 from parallel_lora.kernels.adapter_grads import split_rows
 from tests._kernels import (
     DEVICE,
     DROPOUTS,
     DTYPES,
     INTERPRETING,
+    LAUNCH_NAMES,
     SCALE,
     TOL,
     assert_matches,
     check_against_eager,
+    clear_sites,
+    count_launches,
     make_inputs,
     patch_bind,
     reference,
     rel_err,
+    skip_without_tma,
 )
 
 SHAPES = {
@@ -72,6 +78,32 @@ def test_op_reads_fp32_adapters_as_their_16bit_cast(shape, drop):
     assert torch.equal(dx, dx_ref)
     for got, ref in ((dA, dA_ref), (dB, dB_ref)):
         assert ((got - ref.float()).abs() <= got.abs() * 2**-7).all()
+
+
+def test_an_int_seed_drops_as_its_tensor_in_every_kernel(monkeypatch):
+    # An int reaches a kernel as its scalar seed_salt beside a zero in memory, a tensor through seed_ptr: one 64-bit
+    # seed, one mask, bit for bit, in every launch of the op (TMA and plain, fused and separate backward).
+    skip_without_tma()
+    real_fused = dispatch._dx_takes_fused
+    launched = count_launches(monkeypatch)
+    for M, K, N, dtype in ((64, 96, 80, torch.bfloat16), (37, 30, 22, torch.float32)):
+        x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, 8, dtype)
+        for name in ("pre", "post"):
+            as_tensor = DROPOUTS[name]
+            for fused in (True, False):
+                monkeypatch.setattr(dispatch, "_dx_takes_fused", real_fused if fused else lambda dy, w: False)
+                runs = []
+                for seed in (as_tensor.seed, int(as_tensor.seed), int(as_tensor.seed) + 1):
+                    drop = dataclasses.replace(as_tensor, seed=seed)
+                    clear_sites()
+                    y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
+                    runs.append((y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)))
+                tensor_run, int_run, other_run = runs
+                for what, t, i in zip(("y", "S", "dx", "dA", "dB"), tensor_run, int_run, strict=True):
+                    assert torch.equal(t, i), f"{name}, {dtype}, fused={fused}: {what}"
+                assert not torch.equal(tensor_run[1 if name == "post" else 3], other_run[1 if name == "post" else 3])
+    clear_sites()
+    assert set(launched) == set(LAUNCH_NAMES), f"not every kernel ran: {sorted(set(LAUNCH_NAMES) - set(launched))}"
 
 
 def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():

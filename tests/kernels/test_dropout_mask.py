@@ -27,6 +27,19 @@ def test_dropout_mask_kernel_uniforms_are_bit_exact_with_torch(seed, rows, cols,
     assert ((u >= 0) & (u < 1)).all() and torch.equal(u * 2**16, (u * 2**16).floor())
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_int_seed_draws_the_uniforms_of_its_tensor(seed):
+    # An int goes to the kernels as the scalar seed_salt (beside a zero in memory), a tensor through seed_ptr; the
+    # kernel's seed is their int64 sum, wrapping: split anyhow, one 64-bit seed draws one set of uniforms.
+    want = kernel_uniforms(seed_tensor(seed, DEVICE), 21, 40, 7, DEVICE)
+    as_int = (seed + 2**63) % 2**64 - 2**63
+    assert torch.equal(kernel_uniforms(as_int, 21, 40, 7, DEVICE), want)
+    for part in (1, 2**62 + 3, -(2**63)):
+        salt = (seed - part + 2**63) % 2**64 - 2**63
+        assert torch.equal(kernel_uniforms(seed_tensor(part, DEVICE), 21, 40, 7, DEVICE, salt=salt), want), part
+    assert not torch.equal(kernel_uniforms(as_int ^ 1, 21, 40, 7, DEVICE), want)
+
+
 @pytest.mark.parametrize("position,k_offset", [("pre", 0), ("pre", 37), ("post", 0), ("post", 37)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("seed", [3, 2**33 + 5])

@@ -171,7 +171,7 @@ def test_dispatch_bound_forward_still_checks_scale_and_dropout():
         kernels.forward(x, weight, b, lora_A, lora_B, float("nan"), None)
     with pytest.raises(ValueError, match="dropout must be a parallel_lora._dropout.Dropout"):
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, 0.1)
-    with pytest.raises(ValueError, match="a dropout seed must be a 1-element int64 tensor"):
+    with pytest.raises(ValueError, match="a dropout seed must be an int or a 1-element int64 tensor"):
         Dropout(p=0.1, seed=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="x must be a 2-D tensor"):
         kernels.forward(None, weight, b, lora_A, lora_B, SCALE, None)
