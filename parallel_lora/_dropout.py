@@ -167,25 +167,25 @@ def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)
 
 
-def draw_seed(like: torch.Tensor, offset: int = 0, on_device: bool = False) -> torch.Tensor | int:
+def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor | int:
     """A fresh seed in ``[offset, offset + 2**62)`` for a call on ``like``'s device, from its default generator: an
-    int, or ``[1]`` int64 drawn on the device (no sync) while compiling, in CUDA graph capture or ``on_device``."""
+    int, or ``[1]`` int64 drawn on the device (no sync) while compiling and in CUDA graph capture."""
     if torch.compiler.is_compiling():
         return torch.ops.parallel_lora.dropout_seed(like, offset)
     device = like.device
-    if not on_device:
-        if device.type == "cpu":
-            return int(torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64).item())
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            return generator_seed(torch.cuda.default_generators[index], offset)
+    if device.type == "cpu":
+        return int(torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64).item())
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return generator_seed(torch.cuda.default_generators[index], offset)
     return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=device)
 
 
 # The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device.
 @custom_op("parallel_lora::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    return draw_seed(like, offset, on_device=True)
+    seed = draw_seed(like, offset)  # the eager call's seed; drawn on the device in CUDA graph capture
+    return seed if isinstance(seed, torch.Tensor) else seed_tensor(seed, like.device)
 
 
 @_dropout_seed_op.register_fake

@@ -18,8 +18,8 @@ def recording_seeds() -> Iterator[list[tuple[bool, torch.Tensor | int]]]:
     draw function."""
     seeds, draw = [], parallel_lora._dropout.draw_seed
 
-    def recording(like: torch.Tensor, offset: int = 0, on_device: bool = False) -> torch.Tensor | int:
-        seed = draw(like, offset, on_device)
+    def recording(like: torch.Tensor, offset: int = 0) -> torch.Tensor | int:
+        seed = draw(like, offset)
         if not torch.compiler.is_compiling():
             kept = seed.clone() if isinstance(seed, torch.Tensor) else seed
             seeds.append((torch._C._current_graph_task_id() != -1, kept))
