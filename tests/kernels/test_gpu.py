@@ -390,14 +390,14 @@ def test_gpu_fused_launches_with_no_spare_program_match_fp64_and_repeat_exactly(
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("r", [16, 32, 64, 256, "16-fp32"])
+@pytest.mark.parametrize("r", [16, 32, 64, 256, "16-fp32", "64-fp32"])
 @pytest.mark.parametrize("op", ["dx_grads", "dx_grads_db_sums", "shrink_gemm", "shrink_db"])
 def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch, op, r):
     # The fused launches hold the GEMM's pipelined loop and the loops of the work on its spare SMs (two
     # reductions, dA and the sums of dB's partials, or the producers' shrink); their buffers share shared memory
     # (the estimate takes the larger), which only holds if the compiler reuses them. shrink_db's two dots stage
     # dB's partial on its way out.
-    r, adapters = (16, torch.float32) if r == "16-fp32" else (r, torch.bfloat16)  # fp32 masters: wider tiles
+    r, adapters = (int(r[:-5]), torch.float32) if isinstance(r, str) else (r, torch.bfloat16)  # fp32: wider tiles
     if op == "shrink_gemm" and r > 64:
         pytest.skip("ranks above 64 keep the separate shrink")
     if op in ("shrink_db", "dx_grads_db_sums") and r > shrink_db.MAX_DB_R_PAD:
