@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from launch import cli, command, tiny_checkpoint
+from tests._procs import check_ok
 
 pytest.importorskip("transformers")
 
@@ -30,10 +31,6 @@ def parallel_lora(*args: str, cwd: Path, launcher: list[str] | None = None) -> s
         env.pop(key, None)
     cmd = [sys.executable, *(launcher or []), "-m", "launch.command", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-
-
-def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import parallel_lora as pl
 from launch.data import CORPUS_PATH, Corpus, generate_corpus
 from launch.model import Transformer, check_tp, config_for
 from launch.train import TARGET_MODULES, keep_metrics_until, replica_seed, rng_source
+from tests._procs import check_ok
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,8 +59,11 @@ def losses(out_dir: Path) -> list[float]:
     return [row["loss"] for row in metrics(out_dir)]
 
 
-def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def check_resumed(proc: subprocess.CompletedProcess, out: Path, at: str) -> None:
+    """A ``--resume`` run that exited 0, said it resumed ``at`` (e.g. "at step 3") and logged every step once."""
+    check_ok(proc)
+    assert "resuming from" in proc.stdout and at in proc.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))  # no step logged twice
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +151,7 @@ def test_resume_after_a_rank_dies_reproduces_the_uninterrupted_run(run_a, tmp_pa
     assert {"meta.json", ".complete", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in latest.iterdir()}
 
     resumed = torchrun(out, *COMMON, "--resume")
-    check_ok(resumed)
-    assert "resuming from" in resumed.stdout and "at step 3" in resumed.stdout
-    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))  # no duplicated steps 1-4
+    check_resumed(resumed, out, "at step 3")
     # Same batches (a function of seed and step), same optimizer state, same dropout masks: bit-exact.
     assert losses(out) == losses(run_a)
 
@@ -161,9 +163,7 @@ def test_resume_at_a_larger_tp_draws_the_uninterrupted_runs_masks(run_a, tmp_pat
     shutil.copytree(run_a, out)
     shutil.rmtree(out / "checkpoints" / "step_00000008")
     resumed = torchrun(out, *COMMON, "--resume", nproc=4)
-    check_ok(resumed)
-    assert "resuming from" in resumed.stdout and "at step 6" in resumed.stdout
-    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
+    check_resumed(resumed, out, "at step 6")
     # The same masks, sums over 4 shards instead of 2: fp32 rounding apart (another mask moves the loss far more).
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 
@@ -300,9 +300,7 @@ def test_two_nodes_train_and_a_resume_on_one_node_of_one_process_continues(run_a
     assert losses(out) == losses(run_a)[:4]
 
     resumed = launch_one(out, "--resume", *COMMON)
-    check_ok(resumed)
-    assert "resuming from" in resumed.stdout and "step_00000003 at step 3" in resumed.stdout
-    assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
+    check_resumed(resumed, out, "step_00000003 at step 3")
     # tp=1 after tp=2: the same masks (rank 0's RNG state is checkpointed), sums in another order.
     torch.testing.assert_close(losses(out), losses(run_a), rtol=1e-5, atol=1e-6)
 

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from parallel_lora import LoRAConfig, load_adapter
 from tests import _hf
+from tests._procs import check_ok
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -87,10 +88,6 @@ def torchrun(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
            str(REPO / "launch" / "train.py"), "--output-dir", str(out_dir), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
-def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def metrics(out_dir: Path) -> list[dict]:
