@@ -1,5 +1,5 @@
 """The rank-r shrink ``out [M, r] = c * drop_post(drop_pre(x [M, K]) @ U [K, r])``: S (``U = A^T``) in the forward,
-G (``x = dy``, ``U = B``) in the backward.
+G (``x = dy``, ``U = B``) in the backward; at few tokens K is split and the row block's last arrival sums the splits.
 """
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import shrink_rows
+from .blocks import finish_tile, shrink_rows
 from .dropout_mask import mask_keys
-from .host import cdiv, dot_options, next_pow2, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch
+from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank, seed_arg, shrink_scale
+from .launcher import Site, launch, site_info
 from .spec import KernelSpec, adapter_bytes
+from .tuning import ATOMIC_SLOT, sm_count
+from .workspace import G_COUNTERS, G_PARTIALS, stream_buffer
 
 
 def shrink_configs() -> list[triton.Config]:
@@ -33,10 +35,34 @@ def shrink_configs() -> list[triton.Config]:
 
 
 def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    # Under the "pre" mask some Triton versions (3.8) stage the masked x tile in shared memory: counted.
+    # Under the "pre" mask some Triton versions (3.8) stage the masked x tile in shared memory: counted. A split's
+    # fp32 partial may be staged for its transposed store.
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     staged = bm * bk if consts["DROP_PRE"] else 0
-    return (stages * bm * bk + staged) * elem + adapter_bytes(bk * consts["R_PAD"], stages, elem, consts, "u_ptr")
+    split = bm * consts["R_PAD"] * 4 + ATOMIC_SLOT if consts.get("SPLIT_K") else 0
+    u_tile = adapter_bytes(bk * consts["R_PAD"], stages, elem, consts, "u_ptr")
+    return (stages * bm * bk + staged) * elem + u_tile + split
+
+
+# K splits: whole BLOCK_K tiles of every config (the largest is 256), so even (the "pre" mask's column parity).
+K_ALIGN_GPU = 256
+K_ALIGN_INTERP = 32
+MAX_SPLITS = 8
+ROWS_PER_SM = 64  # rows times splits per SM that keep enough of x in flight; fewer rows are split over K
+MIN_BLOCK_M = 16  # the smallest BLOCK_M of shrink_configs: the most row blocks (arrival counters) a launch has
+
+
+def k_splits(M: int, K: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, k_per_split)`` of a shrink of ``x [M, K]``: one split from ``ROWS_PER_SM`` rows per SM up."""
+    if interpreting():
+        align, sms = K_ALIGN_INTERP, 3
+    else:
+        align, sms = K_ALIGN_GPU, sm_count(device.index if device.index is not None else 0)
+    splits = min(MAX_SPLITS, cdiv(K, align), sms * ROWS_PER_SM // max(M, 1))
+    if splits <= 1:
+        return 1, K
+    k_per_split = cdiv(cdiv(K, splits), align) * align
+    return cdiv(K, k_per_split), k_per_split
 
 
 def shrink_fits(cfg: dict, nargs: dict) -> bool:
@@ -48,9 +74,13 @@ def _lora_shrink_kernel(
     x_ptr,
     u_ptr,
     out_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     K,
     R,
+    k_per_split,
+    num_splits,
     stride_xm,
     stride_xk,
     stride_uk,
@@ -65,24 +95,35 @@ def _lora_shrink_kernel(
     DROP_PRE: tl.constexpr,
     ODD_OFFSET: tl.constexpr,
     DROP_POST: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     R_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``out [M, R] = out_scale * drop_post(drop_pre(x [M, K]) @ u [K, R])``, ``BLOCK_M`` rows a program; the "pre"
-    mask at global columns ``k_offset + k``."""
-    row0 = tl.program_id(0) * BLOCK_M
+    """``out [M, R] = out_scale * drop_post(drop_pre(x [M, K]) @ u [K, R])``, ``BLOCK_M`` rows and one K split a
+    program; the "pre" mask at global columns ``k_offset + k``; ``SPLIT_K``: through fp32 ``ws [split, M, R_PAD]``."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    row0 = block * BLOCK_M
+    k_start = split * k_per_split
     k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_PRE or DROP_POST)
     acc = shrink_rows(
-        x_ptr, u_ptr, row0, M, K, R, stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col,
-        k_offset, DROP_PRE, ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
+        x_ptr + k_start * stride_xk, u_ptr + k_start * stride_uk, row0, M, tl.minimum(k_per_split, K - k_start), R,
+        stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col, k_offset + k_start, DROP_PRE,
+        ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
     )  # fmt: skip
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, R_PAD)
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :] * stride_or
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
+    if SPLIT_K:  # few rows, so M * stride_om is small
+        finish_tile(
+            tl.trans(acc), out_ptr, ws_ptr, count_ptr, block, 0, M, R, block, split, num_splits, stride_om,
+            stride_or, M * R_PAD, 1.0, R_PAD, BLOCK_M,
+        )
+    else:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R_PAD)
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_r[None, :] * stride_or
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
 
 
 SPEC = KernelSpec(
@@ -90,7 +131,7 @@ SPEC = KernelSpec(
     configs=shrink_configs,
     key=("M", "K", "R"),
     smem=shrink_smem,
-    work=lambda n: n["M"] * n["K"] * n["R"],
+    work=lambda n: n["M"] * n["K"] * 128,  # bound by x's reads: timed from where a GEMM of as many reads would be
     fits=shrink_fits,
     dtype_arg="x_ptr",
     interp={"BLOCK_M": 32, "BLOCK_K": 32},
@@ -111,27 +152,35 @@ def lora_shrink(
 ) -> torch.Tensor:
     """``x [M, K]``, ``u [K, r]`` (any strides) -> ``c * drop_post(drop_pre(x) @ u) [M, r]`` in ``x.dtype``,
     ``c = scale / (1 - p)`` under a mask, else ``scale``."""
-    M = x.shape[0]
+    M, K = x.shape
     R = u.shape[1]
-    out = torch.empty(M, R, device=x.device, dtype=x.dtype)
+    dev = x.device
+    out = torch.empty(M, R, device=dev, dtype=x.dtype)
     if M == 0:
         return out
+    info = site_info(site, k_splits, M, K, dev)
+    splits, k_per_split = info
+    ws = count = out  # never read without splits
+    if splits > 1:
+        ws = stream_buffer(G_PARTIALS, dev, splits * M * pad_rank(R), torch.float32, zeroed=False)
+        count = stream_buffer(G_COUNTERS, dev, cdiv(M, MIN_BLOCK_M), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_pre or drop_post)
     runtime = (float(c), float(p), *seed_arg(seed, x), int(k_offset))
-    launch(site, (x, u, out), runtime, _describe, x, u, out, drop_pre, drop_post, k_offset)
+    launch(site, (x, u, out, ws, count), runtime, _describe, x, u, out, splits, k_per_split, drop_pre, drop_post,
+           k_offset, info=info)  # fmt: skip
     return out
 
 
-def _describe(x, u, out, drop_pre: bool, drop_post: bool, k_offset: int) -> tuple:
+def _describe(x, u, out, splits: int, k_per_split: int, drop_pre: bool, drop_post: bool, k_offset: int) -> tuple:
     """The launch of ``lora_shrink`` for this layout."""
     (M, K), R = x.shape, u.shape[1]
     odd = drop_pre and k_offset % 2 == 1
 
     def build():
-        static = (M, K, R, *x.stride(), *u.stride(), *out.stride())
-        consts = {"DROP_PRE": drop_pre, "ODD_OFFSET": odd, "DROP_POST": drop_post, "R_PAD": pad_rank(R),
-                  **dot_options(x.dtype)}  # fmt: skip
-        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]),), consts
+        static = (M, K, R, k_per_split, splits, *x.stride(), *u.stride(), *out.stride())
+        consts = {"DROP_PRE": drop_pre, "ODD_OFFSET": odd, "DROP_POST": drop_post, "SPLIT_K": splits > 1,
+                  "R_PAD": pad_rank(R), **dot_options(x.dtype)}  # fmt: skip
+        return static, lambda meta: (cdiv(M, meta["BLOCK_M"]), splits), consts
 
-    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, u.dtype, drop_pre, odd, drop_post)
+    signature = (x.shape, x.stride(), u.shape, u.stride(), x.dtype, u.dtype, drop_pre, odd, drop_post, splits)
     return SPEC, _lora_shrink_kernel, signature, build

@@ -14,6 +14,7 @@ from parallel_lora import kernels
 from parallel_lora._dropout import Dropout, seed_tensor
 from parallel_lora.kernels import dispatch, workspace
 from parallel_lora.kernels.adapter_grads import split_rows
+from parallel_lora.kernels.shrink import k_splits
 from tests._kernels import (
     DEVICE,
     DROPOUTS,
@@ -121,6 +122,25 @@ def test_adapter_grads_multi_split_matches_eager_repeats_and_resets_counters():
         assert torch.equal(a, c)
     assert workspace.COUNTERS, "the multi-split path did not use the shared workspace"
     for count in workspace.COUNTERS.values():
+        assert not count.any(), "arrival counters were left non-zero"
+
+
+@pytest.mark.parametrize("drop", list(DROPOUTS), ids=list(DROPOUTS))
+def test_shrink_split_over_k_matches_eager_repeats_and_resets_counters(drop):
+    # Few rows split K (S's and G's shrinks alike); the row block's last arrival sums the splits in order.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(40, 200, 72, 8, torch.float32)
+    if INTERPRETING:
+        assert k_splits(40, 200, x.device)[0] == 4 and k_splits(40, 72, x.device)[0] == 3
+    dropout = DROPOUTS[drop]
+    check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, dropout)
+    runs = []
+    for _ in range(2):
+        y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
+        runs.append((y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout)))
+    for a, c in zip(*runs, strict=True):
+        assert torch.equal(a, c)
+    assert workspace.G_COUNTERS, "the split shrink did not use the shared workspace"
+    for count in workspace.G_COUNTERS.values():
         assert not count.any(), "arrival counters were left non-zero"
 
 

@@ -104,6 +104,22 @@ def test_tuning_small_problems_take_one_config_large_ones_tune(monkeypatch, kern
     assert len(tuning.prune(spec, spec.configs(), large, smem_limit=232_448, **consts)) > 1
 
 
+def test_shrink_of_a_short_sequence_tunes_and_splits_k(monkeypatch):
+    # A bandwidth-bound shrink at 2048 tokens is timed, not handed the smallest config, and on 132 SMs its few row
+    # blocks split K in four; from 8192 tokens (or K of one tile) nothing splits.
+    spec, consts = shrink.SPEC, {"R_PAD": 16, "DROP_PRE": False, "SPLIT_K": True}
+    nargs = {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "M": 2048, "K": 2048, "R": 16}
+    assert len(tuning.prune(spec, spec.configs(), nargs, smem_limit=232_448, **consts)) > 1
+    monkeypatch.setattr(shrink, "interpreting", lambda: False)
+    monkeypatch.setattr(shrink, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    assert shrink.k_splits(2048, 2048, gpu) == (4, 512)
+    assert shrink.k_splits(2048, 8192, gpu) == (4, 2048)
+    assert shrink.k_splits(1024, 600, gpu) == (3, 256)
+    assert shrink.k_splits(8192, 4096, gpu) == (1, 4096)
+    assert shrink.k_splits(2048, 256, gpu) == (1, 256)
+
+
 def test_tuning_buckets_the_token_count_and_keeps_the_layer_sizes():
     # Autotuned configs and compiled kernels are shared by the Ms of one power-of-two bucket; K, N and r are
     # a layer's own and stay exact.
