@@ -157,7 +157,8 @@ def _print_failure(recorded: list[tuple[int, dict, str]], silent: list[tuple[int
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
         lines.append(f"{prog}: rank {r} {how} without a message")
     lines.append(f"{prog}: logs of every rank: {log_dir}")
-    print("\n".join(lines), file=sys.stderr)
+    # From a fresh line: rank 0's progress bar on this terminal may have stopped mid-line.
+    print("\n" + "\n".join(lines), file=sys.stderr)
     return 1
 
 
