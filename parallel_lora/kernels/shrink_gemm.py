@@ -20,13 +20,8 @@ from .workspace import SYNC, stream_buffer
 # fmt: off
 
 MAX_FUSED_R_PAD = 64  # a larger fp32 producer tile beside the GEMM's registers would spill
+MAX_FUSED_WIDE_R_PAD = 16  # adapters wider than x (fp32 over bf16) above it: the separate launches are faster
 S_STAGES = 4
-
-
-def producer_stages(u: torch.Tensor, r_pad: int) -> int:
-    """The producers' K stages: ``S_STAGES``, half for fp32 adapters above r16, whose staged tiles would otherwise
-    crowd every large GEMM config out of shared memory."""
-    return S_STAGES if u.element_size() <= 2 or r_pad <= 16 else S_STAGES // 2
 
 
 def shrink_gemm_configs() -> list[triton.Config]:
@@ -216,7 +211,7 @@ def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple
             "FENCE": not interpreting(),
             "R_PAD": r_pad,
             "BLOCK_R": min(r_pad, MAX_BLOCK_R),
-            "S_STAGES": 2 if interpreting() else producer_stages(u, r_pad),
+            "S_STAGES": 2 if interpreting() else S_STAGES,
             **dot_options(x.dtype),
         }
         return static, lambda meta: (num_sms,), consts

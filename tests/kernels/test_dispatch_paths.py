@@ -45,6 +45,30 @@ def test_forward_pre_dropout_keeps_the_separate_masked_shrink(monkeypatch):
     clear_sites()
 
 
+@pytest.mark.parametrize("r", [16, 32, 64])
+def test_forward_fp32_adapters_above_r16_take_the_separate_launches(monkeypatch, r):
+    # Wide adapter tiles staged by the fused forward's producers crowd its GEMM configs out of shared memory; the
+    # separate launches are faster there (docs/kernels.md), and match the eager oracle all the same.
+    skip_without_tma()
+    x, weight, b, lora_A, lora_B, dy = make_inputs(37, 64, 48, r, torch.bfloat16)
+    lora_A, lora_B = lora_A.float(), lora_B.float()
+    launched = count_launches(monkeypatch)
+    clear_sites()
+    kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)  # binds (on GPU: tunes) the sites
+    launched.clear()
+    kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    assert launched == (["shrink_gemm"] if r == 16 else ["shrink", "gemm_tma"])
+    ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, None)
+    mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, None, absolute=True)
+    outs = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+    for name, out, want, m in zip(("y", "S"), outs, ref[:2], mag[:2], strict=True):
+        assert_matches(name, out, want, m, torch.bfloat16)
+    kernels.forward(x, weight, b, lora_A.bfloat16(), lora_B.bfloat16(), SCALE, None)
+    kernels.forward(x, weight, b, lora_A.bfloat16(), lora_B.bfloat16(), SCALE, None)
+    assert launched[-1] == "shrink_gemm", "bf16 adapters keep the fused forward at every rank up to 64"
+    clear_sites()
+
+
 @pytest.mark.parametrize("shape", [(37, 64, 48), (64, 96, 80)], ids=["spare_programs", "tiles_claim"])
 @pytest.mark.parametrize("drop", ["none", "post"])
 def test_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop, shape):

@@ -79,21 +79,6 @@ def test_tuning_pruned_configs_fit_shared_memory(monkeypatch, kernel, dtype, r_p
         assert spec.smem(c.kwargs, c.num_stages, elem, {**nargs, **consts}) <= smem_limit, c
 
 
-@pytest.mark.parametrize("r_pad", [16, 32, 64])
-def test_fused_forward_with_fp32_adapters_keeps_the_large_gemm_configs(r_pad):
-    # fp32 adapter tiles staged S_STAGES deep by the producers would leave shrink_gemm only its 64 x 64 fallback on
-    # an H100 at r64 (a forward four times slower): fewer producer stages keep the 128 x 256 and 128 x 128 tiles.
-    from parallel_lora.kernels import shrink_gemm
-
-    spec, sizes = _spec("shrink_gemm")
-    u = torch.empty(1, dtype=torch.float32)
-    consts = {"R_PAD": r_pad, "BLOCK_R": min(r_pad, 64), "S_STAGES": shrink_gemm.producer_stages(u, r_pad)}
-    nargs = {spec.dtype_arg: torch.empty(1, dtype=torch.bfloat16), "u_ptr": u, "R": r_pad, **sizes}
-    kept = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in tuning.prune(spec, spec.configs(), nargs, 232_448,
-                                                                             **consts)}  # fmt: skip
-    assert {(128, 256), (128, 128)} <= kept, kept
-
-
 @pytest.mark.parametrize("kernel", list(_SPECS))
 def test_tuning_small_problems_take_one_config_large_ones_tune(monkeypatch, kernel):
     spec, sizes = _spec(kernel)
