@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 from .._dropout import Dropout
 
@@ -41,16 +40,21 @@ def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torc
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
-lora_forward = custom_op("parallel_lora::lora_forward", _forward, mutates_args=(), schema=FORWARD)
-lora_backward = custom_op("parallel_lora::lora_backward", _backward, mutates_args=(), schema=BACKWARD)
+# Defined through the dispatcher directly: ``torch.library.custom_op`` would wrap every call in Python layers of its
+# own. No autograd kernel: ``functional.LoRAFunction`` calls them with grad mode off, its backward included.
+_LIB = torch.library.Library("parallel_lora", "FRAGMENT")
+_LIB.define("lora_forward" + FORWARD)
+_LIB.define("lora_backward" + BACKWARD)
+_LIB.impl("lora_forward", _forward, "CompositeExplicitAutograd")
+_LIB.impl("lora_backward", _backward, "CompositeExplicitAutograd")
 
 
-@lora_forward.register_fake
+@torch.library.register_fake("parallel_lora::lora_forward")
 def _(x, weight, bias, lora_A, lora_B, *scalars):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
 
 
-@lora_backward.register_fake
+@torch.library.register_fake("parallel_lora::lora_backward")
 def _(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
     needs_dx, needs_dA, needs_dB = scalars[5:8]  # after scale, p, seed, position, k_offset
     grad = lora_A.dtype
