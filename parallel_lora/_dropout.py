@@ -7,7 +7,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from torch.library import custom_op
 
 MASK32 = 0xFFFFFFFF
 FMIX_M1 = 0x85EBCA6B
@@ -162,9 +161,10 @@ def new_seed() -> int:
 
 
 def seed_tensor(seed: int, device: torch.device | str) -> torch.Tensor:
-    """An int seed, mod 2**64, as a ``[1]`` int64 tensor on ``device``."""
+    """An int seed, mod 2**64, as a ``[1]`` int64 tensor on ``device``: filled there, since a host-to-device copy from
+    pageable memory would synchronize the stream at every compiled call."""
     seed = int(seed) % 2**64
-    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64, device=device)
+    return torch.full((1,), seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=device)
 
 
 def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor | int:
@@ -181,14 +181,19 @@ def draw_seed(like: torch.Tensor, offset: int = 0) -> torch.Tensor | int:
     return torch.randint(offset, offset + SEED_BOUND, (1,), dtype=torch.int64, device=device)
 
 
-# The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device.
-@custom_op("parallel_lora::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     seed = draw_seed(like, offset)  # the eager call's seed; drawn on the device in CUDA graph capture
     return seed if isinstance(seed, torch.Tensor) else seed_tensor(seed, like.device)
 
 
-@_dropout_seed_op.register_fake
+# The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device. Defined
+# through the dispatcher, as kernels/ops.py's ops are.
+_LIB = torch.library.Library("parallel_lora", "FRAGMENT")
+_LIB.define("dropout_seed(Tensor like, int offset=0) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_LIB.impl("dropout_seed", _dropout_seed_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("parallel_lora::dropout_seed")
 def _(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device=like.device)
 

@@ -166,6 +166,21 @@ def test_the_seed_op_is_one_int64_on_its_inputs_device():
     assert seed.shape == (1,) and seed.dtype == torch.int64 and seed.device.type == "meta"
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_seed_op_does_not_synchronize():
+    # Outside graph capture the compiled op hands the eager call's int over: filled on the device, since a copy from
+    # pageable host memory would stall the host at every compiled call with dropout.
+    like = torch.empty(2, device="cuda")
+    torch.ops.parallel_lora.dropout_seed(like)  # the generator and the allocator warmed
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seed = torch.ops.parallel_lora.dropout_seed(like)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert seed.device.type == "cuda" and seed.shape == (1,) and seed.dtype == torch.int64
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tensor parallel: a column -> row LoRA MLP at tp = 2 (gloo).
 # ---------------------------------------------------------------------------------------------------------
