@@ -189,7 +189,10 @@ def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
 # The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device. Defined
 # through the dispatcher, as kernels/ops.py's ops are.
 _LIB = torch.library.Library("parallel_lora", "FRAGMENT")
-_LIB.define("dropout_seed(Tensor like, int offset=0) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_LIB.define(
+    "dropout_seed(Tensor like, int offset=0) -> Tensor",
+    tags=(torch.Tag.nondeterministic_seeded, torch.Tag.pt2_compliant_tag),
+)
 _LIB.impl("dropout_seed", _dropout_seed_op, "CompositeExplicitAutograd")
 
 

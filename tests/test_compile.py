@@ -160,6 +160,17 @@ def test_registered_ops_pass_opcheck():
     assert torch.equal(torch.ops.parallel_lora.after_grad(x, dy), x)
 
 
+def test_the_ops_refuse_a_call_autograd_would_record():
+    # No autograd formula: a direct call on tensors that require grad, in grad mode, would lose their gradients.
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(12, 16)
+    a, b = torch.randn(4, 16), torch.randn(12, 4)
+    with pytest.raises(RuntimeError, match=r"lora_forward has no autograd formula: call it with grad mode off"):
+        torch.ops.parallel_lora.lora_forward(x, w, None, a, b, 2.0, 0.0, None, "pre", 0)
+    with torch.no_grad():
+        y, s = torch.ops.parallel_lora.lora_forward(x, w, None, a, b, 2.0, 0.0, None, "pre", 0)
+    assert y.shape == (8, 12) and s.shape == (8, 4)
+
+
 def test_the_seed_op_is_one_int64_on_its_inputs_device():
     with FakeTensorMode():
         seed = torch.ops.parallel_lora.dropout_seed(torch.empty(3, 5, device="meta"))

@@ -30,11 +30,22 @@ def _dropout(p: float, seed: torch.Tensor | None, position: str, k_offset: int) 
     return None if p == 0.0 else Dropout(p, seed, position, k_offset)
 
 
+def _no_grad(op: str, *tensors: torch.Tensor | None) -> None:
+    """Refuse a call autograd would record: these ops have no autograd formula (their gradients would be lost)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"parallel_lora::{op} has no autograd formula: call it with grad mode off, or call "
+            "parallel_lora.lora_linear, whose autograd Function calls it"
+        )
+
+
 def _forward(x, weight, bias, lora_A, lora_B, scale, *dropout) -> tuple[torch.Tensor, torch.Tensor]:
+    _no_grad("lora_forward", x, weight, bias, lora_A, lora_B)
     return dispatch_module().forward(x, weight, bias, lora_A, lora_B, scale, _dropout(*dropout))
 
 
 def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torch.Tensor, ...]:
+    _no_grad("lora_backward", dy, x, weight, lora_A, lora_B, s_lora)
     grads = dispatch_module().backward(dy, x, weight, lora_A, lora_B, s_lora, scale, _dropout(*args[:4]), *args[4:])
     # A custom op returns tensors: a gradient not asked for comes back empty (the caller makes it None).
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
@@ -43,8 +54,8 @@ def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torc
 # Defined through the dispatcher directly: ``torch.library.custom_op`` would wrap every call in Python layers of its
 # own. No autograd kernel: ``functional.LoRAFunction`` calls them with grad mode off, its backward included.
 _LIB = torch.library.Library("parallel_lora", "FRAGMENT")
-_LIB.define("lora_forward" + FORWARD)
-_LIB.define("lora_backward" + BACKWARD)
+_LIB.define("lora_forward" + FORWARD, tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("lora_backward" + BACKWARD, tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.impl("lora_forward", _forward, "CompositeExplicitAutograd")
 _LIB.impl("lora_backward", _backward, "CompositeExplicitAutograd")
 

@@ -36,24 +36,25 @@ def shrink_configs() -> list[triton.Config]:
 
 def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     # Under the "pre" mask some Triton versions (3.8) stage the masked x tile in shared memory: counted. A split's
-    # fp32 partial may be staged for its transposed store.
+    # fp32 partial may be staged for its transposed store, after the loop.
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     staged = bm * bk if consts["DROP_PRE"] else 0
+    loop = (stages * bm * bk + staged) * elem + adapter_bytes(bk * consts["R_PAD"], stages, elem, consts, "u_ptr")
     split = bm * consts["R_PAD"] * 4 + ATOMIC_SLOT if consts.get("SPLIT_K") else 0
-    u_tile = adapter_bytes(bk * consts["R_PAD"], stages, elem, consts, "u_ptr")
-    return (stages * bm * bk + staged) * elem + u_tile + split
+    return max(loop, split)  # the K loop's buffers are free by the split's store
 
 
 # K splits: whole BLOCK_K tiles of every config (the largest is 256), so even (the "pre" mask's column parity).
 K_ALIGN_GPU = 256
 K_ALIGN_INTERP = 32
 MAX_SPLITS = 8
-ROWS_PER_SM = 64  # rows times splits per SM that keep enough of x in flight; fewer rows are split over K
+ROWS_PER_SM = 64  # rows times splits per SM that keep enough of x in flight: K splits in two below 32 rows per SM
 MIN_BLOCK_M = 16  # the smallest BLOCK_M of shrink_configs: the most row blocks (arrival counters) a launch has
 
 
 def k_splits(M: int, K: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, k_per_split)`` of a shrink of ``x [M, K]``: one split from ``ROWS_PER_SM`` rows per SM up."""
+    """``(splits, k_per_split)`` of a shrink of ``x [M, K]`` on ``device``: ``ROWS_PER_SM * SMs // M`` splits, at
+    most ``MAX_SPLITS`` and one per aligned K tile (so one split from ``ROWS_PER_SM / 2`` rows per SM up)."""
     if interpreting():
         align, sms = K_ALIGN_INTERP, 3
     else:
@@ -110,7 +111,8 @@ def _lora_shrink_kernel(
     k_start = split * k_per_split
     k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_PRE or DROP_POST)
     acc = shrink_rows(
-        x_ptr + k_start * stride_xk, u_ptr + k_start * stride_uk, row0, M, tl.minimum(k_per_split, K - k_start), R,
+        x_ptr + k_start.to(tl.int64) * stride_xk, u_ptr + k_start * stride_uk, row0, M,
+        tl.minimum(k_per_split, K - k_start), R,
         stride_xm, stride_xk, stride_uk, stride_ur, out_scale, p, k_row, k_col, k_offset + k_start, DROP_PRE,
         ODD_OFFSET, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_K, None, False,
     )  # fmt: skip

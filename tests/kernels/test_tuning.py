@@ -39,6 +39,7 @@ def _consts(kernel, r_pad, monkeypatch) -> dict:
         consts.update(zip(("RED_BLOCK_M", "RED_STAGES"), dx_grads.red_tiles(r_pad), strict=True))
     if kernel == "shrink":
         consts["DROP_PRE"] = True  # the larger estimate: the "pre"-masked x tile staged for the tensor cores
+        consts["SPLIT_K"] = True  # and a split's partial staged for its store
     if kernel == "shrink_gemm":
         from parallel_lora.kernels import shrink_gemm
 
