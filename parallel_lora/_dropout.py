@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._library import define
+
 MASK32 = 0xFFFFFFFF
 FMIX_M1 = 0x85EBCA6B
 FMIX_M2 = 0xC2B2AE35
@@ -186,19 +188,13 @@ def _dropout_seed_op(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return seed if isinstance(seed, torch.Tensor) else seed_tensor(seed, like.device)
 
 
-# The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device. Defined
-# through the dispatcher, as kernels/ops.py's ops are.
-_LIB = torch.library.Library("parallel_lora", "FRAGMENT")
-_LIB.define(
-    "dropout_seed(Tensor like, int offset=0) -> Tensor",
-    tags=(torch.Tag.nondeterministic_seeded, torch.Tag.pt2_compliant_tag),
-)
-_LIB.impl("dropout_seed", _dropout_seed_op, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("parallel_lora::dropout_seed")
-def _(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+def _dropout_seed_fake(like: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64, device=like.device)
+
+
+# The draw as torch.compile sees it (docs/design.md, "Dropout seeds"); ``like`` gives the replay its device.
+define("dropout_seed", "(Tensor like, int offset=0) -> Tensor", _dropout_seed_op, _dropout_seed_fake,
+       tags=(torch.Tag.nondeterministic_seeded,))  # fmt: skip
 
 
 class CallSeeds:

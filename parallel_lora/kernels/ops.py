@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._dropout import Dropout
+from .._library import define
 
 _KERNELS: list = []
 
@@ -51,23 +52,17 @@ def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torc
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
-# Defined through the dispatcher directly: ``torch.library.custom_op`` would wrap every call in Python layers of its
-# own. No autograd kernel: ``functional.LoRAFunction`` calls them with grad mode off, its backward included.
-_LIB = torch.library.Library("parallel_lora", "FRAGMENT")
-_LIB.define("lora_forward" + FORWARD, tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.define("lora_backward" + BACKWARD, tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.impl("lora_forward", _forward, "CompositeExplicitAutograd")
-_LIB.impl("lora_backward", _backward, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("parallel_lora::lora_forward")
-def _(x, weight, bias, lora_A, lora_B, *scalars):
+def _forward_fake(x, weight, bias, lora_A, lora_B, *scalars):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
 
 
-@torch.library.register_fake("parallel_lora::lora_backward")
-def _(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
+def _backward_fake(dy, x, weight, lora_A, lora_B, s_lora, *scalars):
     needs_dx, needs_dA, needs_dB = scalars[5:8]  # after scale, p, seed, position, k_offset
     grad = lora_A.dtype
     outs = ((needs_dx, x.shape, dy.dtype), (needs_dA, lora_A.shape, grad), (needs_dB, lora_B.shape, grad))
     return tuple(dy.new_empty(shape if needed else (0,), dtype=dtype) for needed, shape, dtype in outs)
+
+
+# No autograd kernel: ``functional.LoRAFunction`` calls them with grad mode off, its backward included.
+define("lora_forward", FORWARD, _forward, _forward_fake)
+define("lora_backward", BACKWARD, _backward, _backward_fake)
