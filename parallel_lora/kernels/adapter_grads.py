@@ -11,7 +11,7 @@ import triton.language as tl
 from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
-from .host import cdiv, dot_options, interpreting, keep_scale, next_pow2, pad_rank, seed_arg
+from .host import aligned_pieces, cdiv, dot_options, interpreting, keep_scale, next_pow2, pad_rank, seed_arg
 from .launcher import Site, launch, site_info
 from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
@@ -96,8 +96,7 @@ def split_rows(M: int, F: int, device: torch.device, max_rows: int | None = None
     split = max(1, min(cdiv(M, align), _num_programs_target(device) // max(1, f_tiles)))
     if max_rows is not None:
         split = max(split, cdiv(M, max_rows))
-    m_per_split = cdiv(cdiv(M, split), align) * align
-    return cdiv(M, m_per_split), m_per_split
+    return aligned_pieces(M, split, align)
 
 
 def partials_workspace(

@@ -25,6 +25,12 @@ def keep_at_most(cache: dict, key: object, value: object, limit: int) -> object:
     return value
 
 
+def aligned_pieces(length: int, pieces: int, align: int) -> tuple[int, int]:
+    """``(pieces, per_piece)``: ``length`` cut into at most ``pieces >= 1`` pieces of whole multiples of ``align``."""
+    per_piece = cdiv(cdiv(length, pieces), align) * align
+    return cdiv(length, per_piece), per_piece
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, int(n) - 1).bit_length()

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .blocks import finish_tile, shrink_rows
 from .dropout_mask import mask_keys
-from .host import cdiv, dot_options, interpreting, next_pow2, pad_rank, seed_arg, shrink_scale
+from .host import aligned_pieces, cdiv, dot_options, interpreting, next_pow2, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
@@ -44,12 +44,13 @@ def shrink_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
     return max(loop, split)  # the K loop's buffers are free by the split's store
 
 
-# K splits: whole BLOCK_K tiles of every config (the largest is 256), so even (the "pre" mask's column parity).
-K_ALIGN_GPU = 256
+# K splits: whole BLOCK_K tiles of every config, so even (the "pre" mask's column parity).
+K_ALIGN_GPU = max(c.kwargs["BLOCK_K"] for c in shrink_configs())
 K_ALIGN_INTERP = 32
 MAX_SPLITS = 8
 ROWS_PER_SM = 64  # rows times splits per SM that keep enough of x in flight: K splits in two below 32 rows per SM
-MIN_BLOCK_M = 16  # the smallest BLOCK_M of shrink_configs: the most row blocks (arrival counters) a launch has
+# The most row blocks (arrival counters) a launch has.
+MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in shrink_configs())
 
 
 def k_splits(M: int, K: int, device: torch.device) -> tuple[int, int]:
@@ -60,10 +61,7 @@ def k_splits(M: int, K: int, device: torch.device) -> tuple[int, int]:
     else:
         align, sms = K_ALIGN_GPU, sm_count(device.index if device.index is not None else 0)
     splits = min(MAX_SPLITS, cdiv(K, align), sms * ROWS_PER_SM // max(M, 1))
-    if splits <= 1:
-        return 1, K
-    k_per_split = cdiv(cdiv(K, splits), align) * align
-    return cdiv(K, k_per_split), k_per_split
+    return (1, K) if splits <= 1 else aligned_pieces(K, splits, align)
 
 
 def shrink_fits(cfg: dict, nargs: dict) -> bool:

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .blocks import as_operand, finish_tile
 from .dropout_mask import drop_tile, mask_keys
-from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
+from .host import aligned_pieces, cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
@@ -135,8 +135,7 @@ def column_splits(M: int, N: int, device: torch.device) -> tuple[int, int]:
         align = N_ALIGN_GPU
         programs = PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else 0)
     splits = max(1, min(MAX_SPLITS, programs // db_blocks(M), cdiv(N, align)))
-    n_per_split = cdiv(cdiv(N, splits), align) * align
-    return cdiv(N, n_per_split), n_per_split
+    return aligned_pieces(N, splits, align)
 
 
 def _workspace(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
