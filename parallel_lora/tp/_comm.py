@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
-from torch.library import custom_op
+
+from .._library import define
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -74,15 +75,16 @@ class SequenceGather:
         return reduce_scatter(dx_full, self.dim, self.group)
 
 
-@custom_op("parallel_lora::after_grad", mutates_args=())
 def _after_grad(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` that the graph computes only once ``grad`` exists (opaque: no pass removes the edge)."""
     return t.clone()
 
 
-@_after_grad.register_fake
-def _(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _after_grad_fake(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
+
+
+define("after_grad", "(Tensor t, Tensor grad) -> Tensor", _after_grad, _after_grad_fake)
 
 
 class ReducedOutput:
