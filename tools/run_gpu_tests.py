@@ -49,6 +49,7 @@ _ENDED = re.compile(rf"^(\S+::\S+) ({_OUTCOMES})\b")
 _BARE = re.compile(rf"^({_OUTCOMES}) +\[")
 _STARTED = re.compile(r"^(\S+::\S+) ")
 _SETTLED = {"passed", "skipped", "xfail"}
+_LIVE: set[subprocess.Popen] = set()  # the pytest processes running now, each in a session of its own
 
 
 def collect(marker: str, paths: list[str], keyword: str, cwd: Path = ROOT) -> list[str]:
@@ -69,6 +70,14 @@ def run_tests(
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", marker,
            "-o", f"faulthandler_timeout={max(1, int(timeout // 2))}", *ids]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.add(proc)
+    try:
+        return _follow(proc, ids, timeout, deadline, log, startup)
+    finally:
+        _LIVE.discard(proc)
+
+
+def _follow(proc: subprocess.Popen, ids: list[str], timeout: float, deadline: float, log, startup: float):
     os.set_blocking(proc.stdout.fileno(), False)
     wanted = set(ids)
     results: dict[str, tuple[str, float]] = {}
@@ -124,6 +133,16 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:  # stuck in the driver: leave it, the remaining tests go on without it
         pass
+
+
+def _stop(signum: int, frame) -> None:
+    """SIGTERM (an outer ``timeout``) or Ctrl-C: kill the pytest processes (their own sessions shield them), exit."""
+    for proc in list(_LIVE):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(128 + signum)
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
@@ -274,6 +293,8 @@ def slowest(rows: list[dict], n: int = 10) -> list[dict]:
 def main(argv: list[str] | None = None, cwd: Path = ROOT) -> None:
     """The command line: run the tests of the checkout at ``cwd``, print the table, exit 0 if all settled."""
     started = time.monotonic()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", default=["tests"], help="test files or directories (default: tests)")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression")

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +182,32 @@ def test_run_gpu_tests_workers_run_their_shares_at_once_and_rows_keep_the_test_o
     assert len(pids) == 2, "the tests did not run in two pytest processes"
     lines = [line for line in log.getvalue().splitlines() if "::test_" in line]
     assert {line[:4] for line in lines} == {"[0] ", "[1] "}, log.getvalue()
+
+
+def test_run_gpu_tests_ends_its_pytest_processes_when_it_is_terminated(tmp_path):
+    # An outer ``timeout`` signals the script alone: its pytest processes, in sessions of their own, must not live on.
+    (tmp_path / "test_sleeps.py").write_text(
+        "import os, pathlib, time\nimport pytest\n\n@pytest.mark.fake\ndef test_sleeps():\n"
+        "    pathlib.Path('pid').write_text(str(os.getpid()))\n    time.sleep(120)\n"
+    )
+    (tmp_path / "tools").mkdir()
+    copy = tmp_path / "tools" / SCRIPT.name  # the script runs the tests of the checkout it sits in
+    copy.write_text(SCRIPT.read_text())
+    script = subprocess.Popen([sys.executable, str(copy), "--marker", "fake", "--out", "out.json", "."],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    pid_file = tmp_path / "pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    script.terminate()
+    status = script.wait(timeout=30)
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the pytest process outlived the terminated script")
+    assert status == 128 + signal.SIGTERM
