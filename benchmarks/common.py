@@ -166,17 +166,24 @@ def back_to_back_ms(
     return statistics.median(start.elapsed_time(end) / calls for start, end in pairs)
 
 
+def kernel_events_us(events: Iterable, calls: int) -> dict[str, float]:
+    """GPU us per call of each kernel (by name) among ``torch.profiler`` ``events`` of ``calls`` calls, largest
+    first; memsets are left out, as they were when the floors were measured."""
+    cuda, per = torch.autograd.DeviceType.CUDA, {}
+    for e in events:
+        if e.device_type == cuda and not e.name.startswith("Memset"):
+            per[e.name] = per.get(e.name, 0.0) + e.device_time / calls
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def kernel_events_ms(events: Iterable, calls: int) -> float:
-    """GPU ms per call of the kernels among ``torch.profiler`` ``events`` of ``calls`` calls; memsets are left out,
-    as they were when the floors were measured."""
-    cuda = torch.autograd.DeviceType.CUDA
-    us = sum(e.device_time for e in events if e.device_type == cuda and not e.name.startswith("Memset"))
-    return us / calls / 1e3
+    """GPU ms per call of the kernels among ``events`` of ``calls`` calls (``kernel_events_us``, summed)."""
+    return sum(kernel_events_us(events, calls).values()) / 1e3
 
 
-def kernel_ms(fn: Callable[[], object], calls: int) -> float:
-    """GPU ms per call of the kernels that ``calls`` calls of ``fn``, back to back, launch (``torch.profiler``),
-    after one call outside the profile (tuning, compilation, allocation)."""
+def profiled(fn: Callable[[], object], calls: int) -> list:
+    """The ``torch.profiler`` CUDA events of ``calls`` calls of ``fn`` back to back, after one call outside the
+    profile (tuning, compilation, allocation)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -185,7 +192,17 @@ def kernel_ms(fn: Callable[[], object], calls: int) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return kernel_events_ms(prof.events(), calls)
+    return prof.events()
+
+
+def kernel_ms(fn: Callable[[], object], calls: int) -> float:
+    """GPU ms per call of the kernels that ``calls`` calls of ``fn``, back to back, launch (``torch.profiler``)."""
+    return kernel_events_ms(profiled(fn, calls), calls)
+
+
+def kernel_us(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """GPU us per call of each kernel that ``calls`` calls of ``fn`` launch, by name, largest first."""
+    return kernel_events_us(profiled(fn, calls), calls)
 
 
 @contextlib.contextmanager

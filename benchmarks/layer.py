@@ -24,8 +24,9 @@ memory held between forward and backward beyond the output. Prints a table and w
 
 Timing: eager ``do_bench`` medians by default (L2 flushed before each call); ``--graph`` captures each step in a
 CUDA graph and times replays back to back (the GPU time of a captured step, no host); ``--kernel-time`` sums the
-GPU time of the kernels of ``--calls`` calls back to back (``torch.profiler``), then prints each floor of
-docs/design.md beside its measurement and says whether it is met. Only kernel time judges the floors: its rounds
+GPU time of the kernels of ``--calls`` calls back to back (``torch.profiler``), then prints each case's
+forward+backward by kernel (each row's ``kernels_us``) and each floor of docs/design.md beside its measurement,
+met or not. Only kernel time judges the floors: its rounds
 agree within a fraction of a percent, where the other two move by several percent from run to run.
 """
 
@@ -48,6 +49,7 @@ import parallel_lora
 from benchmarks.common import (
     back_to_back_ms,
     kernel_ms,
+    kernel_us,
     module_command,
     parse_shapes,
     ratio_over_rounds,
@@ -222,9 +224,11 @@ def held_mib(f, x: torch.Tensor) -> float:
     return held / 2**20
 
 
-def layer_rows(shape, dropout: float, adapter_dtype: str, times: dict, held: dict, errs: dict) -> list[dict]:
+def layer_rows(shape, dropout: float, adapter_dtype: str, times: dict, held: dict, errs: dict,
+               kernels: dict | None = None) -> list[dict]:  # fmt: skip
     """One row per implementation of ``held`` from its per-round times (``times["<impl>/fwd"]`` and
-    ``["<impl>/fwdbwd"]``, ms), each ratio taken to ``base`` round by round."""
+    ``["<impl>/fwdbwd"]``, ms), each ratio taken to ``base`` round by round; with ``kernels`` (the same keys:
+    us per call by kernel name), the row's ``kernels_us``."""
     rows = []
     for name, mib in held.items():
         fwd, fwdbwd = times[f"{name}/fwd"], times[f"{name}/fwdbwd"]
@@ -235,13 +239,16 @@ def layer_rows(shape, dropout: float, adapter_dtype: str, times: dict, held: dic
             "held_mib": mib, "fwd_ms": statistics.median(fwd), "fwdbwd_ms": statistics.median(fwdbwd),
             "rel_err": errs.get(name), "fwd_ms_rounds": fwd, "fwdbwd_ms_rounds": fwdbwd,
         })  # fmt: skip
+        if kernels:
+            rows[-1]["kernels_us"] = {"fwd": kernels[f"{name}/fwd"], "fwdbwd": kernels[f"{name}/fwdbwd"]}
     return rows
 
 
 def measure(shape, dropout: float, adapter_dtype: torch.dtype, time_one, rounds: int, graph: bool,
-            wanted: set[str] | None, old: ModuleType | None) -> list[dict]:  # fmt: skip
+            wanted: set[str] | None, old: ModuleType | None, by_kernel=None) -> list[dict]:  # fmt: skip
     """The rows of one shape, dropout and adapter dtype (``wanted``: a subset of implementations; the base, and with
-    ``old`` the other tree's layer, always: an A/B run must not lose its B to the subset)."""
+    ``old`` the other tree's layer, always: an A/B run must not lose its B to the subset); ``by_kernel(fn)``, when
+    given, breaks each case's GPU time down by kernel."""
     M, K, N, r = shape
     torch.manual_seed(0)
     impls, (W, A, B, s) = make_impls(K, N, r, dropout, adapter_dtype, old)
@@ -255,8 +262,9 @@ def measure(shape, dropout: float, adapter_dtype: torch.dtype, time_one, rounds:
         fwd, fwdbwd = steps(name, f, x, dy, A, B)
         cases[f"{name}/fwd"], cases[f"{name}/fwdbwd"] = (graphed(fwd), graphed(fwdbwd)) if graph else (fwd, fwdbwd)
     times = time_in_rounds(cases, rounds, time_one)
+    kernels = {key: by_kernel(fn) for key, fn in cases.items()} if by_kernel else None
     held = {name: held_mib(f, x) for name, f in impls.items()}
-    return layer_rows(shape, dropout, str(adapter_dtype).removeprefix("torch."), times, held, errs)
+    return layer_rows(shape, dropout, str(adapter_dtype).removeprefix("torch."), times, held, errs, kernels)
 
 
 def floor_checks(rows: list[dict], impl: str = "parallel_lora") -> list[dict]:
@@ -302,6 +310,16 @@ def print_row(row: dict) -> None:
     print(f"{M:>5} {K:>5} {N:>5} {r:>4} {row['adapter_dtype']:>8} {row['dropout']:>4} {row['impl']:>17} "
           f"{row['fwd_ms']:8.3f} {row['fwdbwd_ms']:9.3f} {row['fwd_ratio']:6.3f} {row['fwdbwd_ratio']:7.3f} "
           f"{row['held_mib']:8.2f}", flush=True)  # fmt: skip
+
+
+def print_kernels(rows: list[dict], top: int = 4) -> None:
+    """Each row's forward+backward GPU time by kernel: its ``top`` kernels, us per call."""
+    print("\nforward+backward GPU us per call, by kernel (kernel time)")
+    for row in rows:
+        per = row["kernels_us"]["fwdbwd"]
+        names = ", ".join(f"{name[:36]} {us:.1f}" for name, us in list(per.items())[:top])
+        print(f"{','.join(map(str, row['shape'])):>20} {row['adapter_dtype']:>8} {row['dropout']:>4} "
+              f"{row['impl']:>17} {sum(per.values()):9.1f}: {names}")  # fmt: skip
 
 
 def print_checks(checks: list[dict]) -> None:
@@ -363,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     require_cuda("python -m benchmarks.layer")
     old = load_tree(args.old) if args.old else None
     time_one, timing = timer(args)
+    by_kernel = (lambda fn: kernel_us(fn, args.calls)) if args.kernel_time else None
     meta = run_meta(module_command("benchmarks.layer"), f"{timing}, {args.rounds} interleaved rounds",
                     old=str(args.old) if args.old else None)  # fmt: skip
     out = Path(args.out) if args.out else results_path("layer")
@@ -373,13 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         for adapter_dtype in args.adapter_dtypes:
             for dropout in args.dropouts:
-                rows = measure(shape, dropout, adapter_dtype, time_one, args.rounds, args.graph, wanted, old)
+                rows = measure(shape, dropout, adapter_dtype, time_one, args.rounds, args.graph, wanted, old,
+                               by_kernel)  # fmt: skip
                 for row in rows:
                     print_row(row)
                 data["rows"] += rows
                 torch.cuda.empty_cache()
                 write_json(out, data)  # after every variant: a run cut short keeps its rows
     if args.kernel_time:
+        print_kernels(data["rows"])
         data["floors"] = floor_checks(data["rows"])
         print_checks(data["floors"])
     if old is not None:

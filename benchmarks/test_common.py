@@ -16,6 +16,7 @@ from benchmarks.common import (
     gpu_slug,
     host_ms,
     kernel_events_ms,
+    kernel_events_us,
     parse_shapes,
     ratio_over_rounds,
     round_order,
@@ -116,7 +117,7 @@ def test_gc_paused_restores_the_collector_as_it_was():
         gc.enable()
 
 
-def test_kernel_events_ms_sums_gpu_kernels_per_call_without_memsets_or_host_ops():
+def test_kernel_events_sum_gpu_kernels_per_call_by_name_without_memsets_or_host_ops():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     def event(name, device_type, us):
@@ -127,6 +128,8 @@ def test_kernel_events_ms_sums_gpu_kernels_per_call_without_memsets_or_host_ops(
         event("Memset (Device)", cuda, 7.0), event("aten::mm", cpu, 999.0),
     ] * 2  # fmt: skip
     assert kernel_events_ms(events, calls=2) == pytest.approx(0.34)
+    assert kernel_events_us(events, calls=2) == {"nvjet_gemm": 300.0, "_lora_shrink_kernel": 40.0}
+    assert list(kernel_events_us(events[::-1], calls=2)) == ["nvjet_gemm", "_lora_shrink_kernel"]  # largest first
 
 
 def test_parse_shapes_reads_the_documented_form_and_rejects_others():

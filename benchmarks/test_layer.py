@@ -93,6 +93,28 @@ def test_layer_measures_every_implementation_against_the_base_and_another_tree(m
     assert {r["impl"] for r in rows} == {"base", "parallel_lora", "parallel_lora_old"}
 
 
+def test_kernel_time_rows_break_each_case_down_by_kernel(monkeypatch, capsys):
+    monkeypatch.setattr(layer, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    profiled = []
+
+    def by_kernel(case):
+        profiled.append(case())
+        return {"_dx_and_grads_kernel": 40.0 + len(profiled), "_lora_shrink_kernel": 7.0}
+
+    rows = layer.measure((64, 64, 64, 8), 0.0, torch.float32, lambda case: 1.0, 1, False, {"parallel_lora"}, None,
+                         by_kernel)  # fmt: skip
+    assert len(profiled) == 2 * len(rows)  # each implementation's forward and forward+backward, once
+    ours = next(r for r in rows if r["impl"] == "parallel_lora")
+    assert ours["kernels_us"]["fwdbwd"]["_lora_shrink_kernel"] == 7.0
+    assert ours["kernels_us"]["fwd"] != ours["kernels_us"]["fwdbwd"]  # each case its own profile
+    layer.print_kernels(rows)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "parallel_lora" in line)
+    total = sum(ours["kernels_us"]["fwdbwd"].values())
+    assert f"{total:.1f}: _dx_and_grads_kernel" in line and "_lora_shrink_kernel 7.0" in line
+
+
 @pytest.mark.slow
 def test_layer_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
     if torch.cuda.is_available():
