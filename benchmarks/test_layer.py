@@ -66,13 +66,18 @@ def test_new_over_old_compares_the_trees_round_by_round():
     assert ab["fwd"] == pytest.approx(0.9) and ab["fwdbwd"] == pytest.approx(0.9)
 
 
-@pytest.mark.slow
-def test_layer_measures_every_implementation_against_the_base_and_another_tree(monkeypatch):
-    # The flow of one variant on the CPU: every implementation built on the same W, A, B, validated, timed in
-    # rounds (a stand-in clock that still calls each case) and reported, this tree also loaded as the --old one.
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """``benchmarks.layer`` measuring on the CPU: no CUDA synchronization or memory statistics."""
     monkeypatch.setattr(layer, "DEVICE", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+
+
+@pytest.mark.slow
+def test_layer_measures_every_implementation_against_the_base_and_another_tree(on_cpu):
+    # The flow of one variant on the CPU: every implementation built on the same W, A, B, validated, timed in
+    # rounds (a stand-in clock that still calls each case) and reported, this tree also loaded as the --old one.
     calls = []
 
     def time_one(case):
@@ -93,10 +98,7 @@ def test_layer_measures_every_implementation_against_the_base_and_another_tree(m
     assert {r["impl"] for r in rows} == {"base", "parallel_lora", "parallel_lora_old"}
 
 
-def test_kernel_time_rows_break_each_case_down_by_kernel(monkeypatch, capsys):
-    monkeypatch.setattr(layer, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+def test_kernel_time_rows_break_each_case_down_by_kernel(on_cpu, capsys):
     profiled = []
 
     def by_kernel(case):
