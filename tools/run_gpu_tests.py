@@ -124,10 +124,17 @@ def _follow(proc: subprocess.Popen, ids: list[str], timeout: float, deadline: fl
             time.sleep(0.2)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen) -> bool:
+    """SIGKILL ``proc``'s process group; False if it was gone already."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if not _kill_group(proc):
         return
     try:
         proc.wait(timeout=30)
@@ -138,10 +145,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def _stop(signum: int, frame) -> None:
     """SIGTERM (an outer ``timeout``) or Ctrl-C: kill the pytest processes (their own sessions shield them), exit."""
     for proc in list(_LIVE):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
     os._exit(128 + signum)
 
 
@@ -293,8 +297,6 @@ def slowest(rows: list[dict], n: int = 10) -> list[dict]:
 def main(argv: list[str] | None = None, cwd: Path = ROOT) -> None:
     """The command line: run the tests of the checkout at ``cwd``, print the table, exit 0 if all settled."""
     started = time.monotonic()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stop)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="*", default=["tests"], help="test files or directories (default: tests)")
     parser.add_argument("-k", dest="keyword", default="", help="pytest -k expression")
@@ -344,4 +346,6 @@ def main(argv: list[str] | None = None, cwd: Path = ROOT) -> None:
 
 
 if __name__ == "__main__":
+    for signum in (signal.SIGTERM, signal.SIGINT):  # the command's, not an in-process caller's
+        signal.signal(signum, _stop)
     main()
