@@ -38,7 +38,9 @@ may be at most ``REL_TOL`` times as far from PEFT as PEFT bf16 is from PEFT fp32
 layers, so a fixed tolerance fails at depth), and the adapters must move the logits well beyond that. The warm-up
 steps must train: every loss finite, and the CUDA-graph case's falling.
 
-A step is forward, backward, ``AdamW.step`` and ``zero_grad``. After warm-up steps (Triton's tuning, the
+A step is forward, backward, ``AdamW.step`` and ``zero_grad``. Every case with adapters steps
+``torch.optim.AdamW(fused=True)``, as torchtune's LoRA recipes configure it: one launch for all the adapters, where
+the default (foreach) optimizer issues a dozen per group from Python. After warm-up steps (Triton's tuning, the
 optimizer's state), every case is timed once per round in interleaved rounds, steps back to back between CUDA
 events; ``ratio_to_frozen`` is the median over rounds of the step over the frozen step of the same round
 (``benchmarks.common`` says why). ``peak_gib``: the base weights, the case's adapters and optimizer state, and the
@@ -216,6 +218,11 @@ def adapter_factors(model: nn.Module) -> dict[str, tuple[nn.Parameter, nn.Parame
     return factors
 
 
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    """The optimizer of a case with adapters: fused AdamW over its trainable parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+
+
 def build_cases(base: nn.Module, r: int, alpha: float, backend: str, modes: tuple[str, ...] = ()) -> dict[str, Case]:
     """Every case of ``IMPLS`` (and those of each of ``COMPILE_MODES``' ``modes``) over ``base``'s weights, its
     adapters at their libraries' initial values."""
@@ -224,13 +231,13 @@ def build_cases(base: nn.Module, r: int, alpha: float, backend: str, modes: tupl
     def peft_case(autocast_adapter_dtype: bool) -> Case:
         config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(PROJECTIONS))
         model = peft.get_peft_model(shell(base), config, autocast_adapter_dtype=autocast_adapter_dtype)
-        return Case(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+        return Case(model, adamw(model))
 
     def ours(lora_dtype: torch.dtype, autocast: bool = False, dropout: float = 0.0) -> Case:
         config = LoRAConfig(r=r, alpha=alpha, dropout=dropout, lora_dtype=lora_dtype, backend=backend,
                             target_modules=PROJECTIONS)  # fmt: skip
         model = apply_lora(shell(base), config, verbose=False)
-        return Case(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), autocast)
+        return Case(model, adamw(model), autocast)
 
     def frozen() -> Case:
         model = shell(base)

@@ -189,3 +189,11 @@ def test_presets_give_the_dims_and_tokens_name_the_results_file():
 def test_model_rejects_key_value_heads_that_do_not_divide_the_heads():
     with pytest.raises(SystemExit):
         model.parse_args(["--heads", "32", "--kv-heads", "5"])
+
+
+def test_cases_with_adapters_step_fused_adamw_over_the_trainable_parameters_only():
+    layer = torch.nn.Linear(4, 4)
+    layer.bias.requires_grad_(False)
+    optimizer = model.adamw(layer)
+    assert optimizer.defaults["fused"] is True
+    assert [p for group in optimizer.param_groups for p in group["params"]] == [layer.weight]
