@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model, data, about = toy_model(args, tp_mesh, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     torch.manual_seed(replica_seed(args.seed, dp_rank))  # the dropout seeds are drawn from this generator
 
     # -- resume, start fresh, or replace the earlier run (cli.py refused anything else) ----------------------
