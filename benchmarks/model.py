@@ -39,8 +39,8 @@ layers, so a fixed tolerance fails at depth), and the adapters must move the log
 steps must train: every loss finite, and the CUDA-graph case's falling.
 
 A step is forward, backward, ``AdamW.step`` and ``zero_grad``. Every case with adapters steps
-``torch.optim.AdamW(fused=True)``, as torchtune's LoRA recipes configure it: one launch for all the adapters, where
-the default (foreach) optimizer issues a dozen per group from Python. After warm-up steps (Triton's tuning, the
+``torch.optim.AdamW(fused=True)``, as torchtune's LoRA recipes configure it: one fused op for all the adapters,
+where the default (foreach) optimizer issues a dozen per group from Python. After warm-up steps (Triton's tuning, the
 optimizer's state), every case is timed once per round in interleaved rounds, steps back to back between CUDA
 events; ``ratio_to_frozen`` is the median over rounds of the step over the frozen step of the same round
 (``benchmarks.common`` says why). ``peak_gib``: the base weights, the case's adapters and optimizer state, and the
