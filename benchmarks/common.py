@@ -13,8 +13,8 @@ Four ways to time one call, all in milliseconds:
 - ``back_to_back_ms``: calls issued back to back between a pair of CUDA events, no flush (for CUDA-graph
   replays: the GPU time of a captured step). A flush's write-back runs into the timed call and adds the same
   tens of microseconds to both sides of a ratio, pulling it towards 1.
-- ``kernel_ms``: the GPU time of the kernels the calls launch, from ``torch.profiler``, calls back to back, no
-  flush. It leaves out the host and the gaps between launches; its rounds agree within a fraction of a percent,
+- ``kernel_us``: the GPU time of the kernels the calls launch, by kernel, from ``torch.profiler``, calls back to
+  back, no flush. It leaves out the host and the gaps between launches; its rounds agree within a fraction of a percent,
   which is why the floors in docs/design.md are judged with it.
 - ``host_ms``: the host (CPU) time to issue a call, calls back to back with the GPU running behind, a sync only
   between batches; what a host-bound loop (small shapes, tensor-parallel shards) runs at.
@@ -176,11 +176,6 @@ def kernel_events_us(events: Iterable, calls: int) -> dict[str, float]:
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
-def kernel_events_ms(events: Iterable, calls: int) -> float:
-    """GPU ms per call of the kernels among ``events`` of ``calls`` calls (``kernel_events_us``, summed)."""
-    return sum(kernel_events_us(events, calls).values()) / 1e3
-
-
 def profiled(fn: Callable[[], object], calls: int) -> list:
     """The ``torch.profiler`` CUDA events of ``calls`` calls of ``fn`` back to back, after one call outside the
     profile (tuning, compilation, allocation)."""
@@ -193,11 +188,6 @@ def profiled(fn: Callable[[], object], calls: int) -> list:
             fn()
         torch.cuda.synchronize()
     return prof.events()
-
-
-def kernel_ms(fn: Callable[[], object], calls: int) -> float:
-    """GPU ms per call of the kernels that ``calls`` calls of ``fn``, back to back, launch (``torch.profiler``)."""
-    return kernel_events_ms(profiled(fn, calls), calls)
 
 
 def kernel_us(fn: Callable[[], object], calls: int) -> dict[str, float]:

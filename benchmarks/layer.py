@@ -48,7 +48,6 @@ import torch.nn.functional as F
 import parallel_lora
 from benchmarks.common import (
     back_to_back_ms,
-    kernel_ms,
     kernel_us,
     module_command,
     parse_shapes,
@@ -248,7 +247,7 @@ def measure(shape, dropout: float, adapter_dtype: torch.dtype, time_one, rounds:
             wanted: set[str] | None, old: ModuleType | None, by_kernel=None) -> list[dict]:  # fmt: skip
     """The rows of one shape, dropout and adapter dtype (``wanted``: a subset of implementations; the base, and with
     ``old`` the other tree's layer, always: an A/B run must not lose its B to the subset); ``by_kernel(fn)``, when
-    given, breaks each case's GPU time down by kernel."""
+    given, is each case's GPU time by kernel (``timer``'s, from its last round)."""
     M, K, N, r = shape
     torch.manual_seed(0)
     impls, (W, A, B, s) = make_impls(K, N, r, dropout, adapter_dtype, old)
@@ -362,26 +361,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def timer(args: argparse.Namespace) -> tuple[Callable[[Callable], float], str]:
-    """The function that times one case for ``args``' mode, and its description for the JSON's meta."""
+def timer(args: argparse.Namespace) -> tuple[Callable[[Callable], float], str, Callable[[Callable], dict] | None]:
+    """The function that times one case for ``args``' mode, its description for the JSON's meta, and under
+    ``--kernel-time`` the lookup of a case's GPU us by kernel in its last timed round (else None)."""
     if args.kernel_time:
-        return (lambda fn: kernel_ms(fn, args.calls)), f"kernel time (torch.profiler), {args.calls} calls back to back"
+        last: dict[Callable, dict[str, float]] = {}
+
+        def kernel_time(fn: Callable) -> float:
+            last[fn] = kernel_us(fn, args.calls)
+            return sum(last[fn].values()) / 1e3
+
+        return kernel_time, f"kernel time (torch.profiler), {args.calls} calls back to back", last.__getitem__
     if args.graph:
         how = f"CUDA-graph replays back to back, {GRAPH_CALLS} per event pair, median of {GRAPH_BATCHES}, no L2 flush"
-        return (lambda fn: back_to_back_ms(fn, GRAPH_CALLS, GRAPH_BATCHES)), how
+        return (lambda fn: back_to_back_ms(fn, GRAPH_CALLS, GRAPH_BATCHES)), how, None
     from triton.testing import do_bench
 
-    return (lambda fn: do_bench(fn, warmup=25, rep=args.reps, return_mode="median")), (
-        f"eager launches, do_bench medians over {args.reps} ms, L2 flushed before each call"
-    )
+    how = f"eager launches, do_bench medians over {args.reps} ms, L2 flushed before each call"
+    return (lambda fn: do_bench(fn, warmup=25, rep=args.reps, return_mode="median")), how, None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     require_cuda("python -m benchmarks.layer")
     old = load_tree(args.old) if args.old else None
-    time_one, timing = timer(args)
-    by_kernel = (lambda fn: kernel_us(fn, args.calls)) if args.kernel_time else None
+    time_one, timing, by_kernel = timer(args)
     meta = run_meta(module_command("benchmarks.layer"), f"{timing}, {args.rounds} interleaved rounds",
                     old=str(args.old) if args.old else None)  # fmt: skip
     out = Path(args.out) if args.out else results_path("layer")

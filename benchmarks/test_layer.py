@@ -117,6 +117,20 @@ def test_kernel_time_rows_break_each_case_down_by_kernel(on_cpu, capsys):
     assert f"{total:.1f}: _dx_and_grads_kernel" in line and "_lora_shrink_kernel 7.0" in line
 
 
+def test_kernel_time_breakdown_is_the_last_timed_round_not_another_profile(monkeypatch):
+    profiles = []
+
+    def kernel_us(fn, calls):
+        profiles.append(fn)
+        return {"_dx_and_grads_kernel": 40.0 * len(profiles), "_lora_shrink_kernel": 7.0}
+
+    monkeypatch.setattr(layer, "kernel_us", kernel_us)
+    time_one, _, by_kernel = layer.timer(layer.parse_args(["--kernel-time"]))
+    case = object()
+    assert time_one(case) == pytest.approx(0.047) and time_one(case) == pytest.approx(0.087)  # ms, summed
+    assert by_kernel(case) == {"_dx_and_grads_kernel": 80.0, "_lora_shrink_kernel": 7.0} and len(profiles) == 2
+
+
 @pytest.mark.slow
 def test_layer_says_it_needs_a_gpu_instead_of_failing_with_a_traceback():
     if torch.cuda.is_available():
