@@ -15,11 +15,14 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every call
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off inside the op; a null context where it is already off (entering autocast costs host time)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return NO_CONTEXT
 
 
 def cast_to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

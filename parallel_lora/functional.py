@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from . import _eager as eager
 from ._dropout import Dropout, check_dropout, check_seed, draw_seed, seed_tensor
-from ._dtypes import autocast_off, cast_to, compute_dtype
+from ._dtypes import NO_CONTEXT, autocast_off, cast_to, compute_dtype
 from .kernels.host import interpreting, keep_at_most
 from .kernels.ops import dispatch_module
 
@@ -40,9 +40,10 @@ class Plan:
     """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives, sites."""
 
     def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
-                 adapter_dtype=None) -> None:
+                 adapter_dtype=None, casts=True, autocast=True) -> None:
         self.backend, self.dtype, self.scale = backend, dtype, scale
         self.adapter_dtype = adapter_dtype  # what the adapters are cast to; None: the kernels read them as they are
+        self.casts, self.autocast = casts, autocast  # whether a call casts an operand / runs under autocast
         self.p, self.position, self.k_offset = p, position, k_offset
         self.mode = position if p > 0.0 else None
         self._mask_offset = k_offset if position == "pre" else 0
@@ -124,7 +125,12 @@ def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropo
     # The kernels read adapters of one dtype as they are (fp32 masters included); the torch backend computes in dtype.
     adapter_dtype = None if backend == "triton" and lora_A.dtype == lora_B.dtype else dtype
     p = float(dropout_p) if training else 0.0
-    return Plan(backend, dtype, float(scale), p, position, k_offset, input_comm, output_comm, adapter_dtype)
+    adapters = lora_A.dtype if adapter_dtype is None else adapter_dtype
+    operands = ((x, dtype), (weight, dtype), (bias, dtype), (lora_A, adapters), (lora_B, adapters))
+    casts = any(t is not None and t.dtype != want for t, want in operands)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    return Plan(backend, dtype, float(scale), p, position, k_offset, input_comm, output_comm, adapter_dtype, casts,
+                autocast)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -136,13 +142,14 @@ class LoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, plan, seed):
-        dtype = plan.dtype
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
-        x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
-        if plan.adapter_dtype is not None:
-            lora_A, lora_B = cast_to(lora_A, plan.adapter_dtype), cast_to(lora_B, plan.adapter_dtype)
+        if plan.casts:
+            dtype = plan.dtype
+            ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_A.dtype, lora_B.dtype)
+            x, weight, bias = cast_to(x, dtype), cast_to(weight, dtype), cast_to(bias, dtype)
+            if plan.adapter_dtype is not None:
+                lora_A, lora_B = cast_to(lora_A, plan.adapter_dtype), cast_to(lora_B, plan.adapter_dtype)
         x_full = x if plan.input_comm is None else plan.input_comm.gather(x)
-        with autocast_off(x.device.type):
+        with autocast_off(x.device.type) if plan.autocast else NO_CONTEXT:
             y2d, s_lora = plan.forward(_rows(x_full), weight, bias, lora_A, lora_B, seed)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.plan, ctx.seed, ctx.has_bias = plan, seed, bias is not None
@@ -171,9 +178,27 @@ class LoRAFunction(torch.autograd.Function):
                 dx = dx.reshape(*dy.shape[:-1], x.shape[-1])
             if comm is not None:
                 dx = comm.scatter_grad(dx)
+        if not plan.casts:  # every gradient is already in its tensor's dtype
+            return dx, dW, db, dA, dB, None, None
         x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
         return (cast_to(dx, x_dtype), cast_to(dW, w_dtype), cast_to(db, bias_dtype), cast_to(dA, a_dtype),
                 cast_to(dB, b_dtype), None, None)
+
+
+# The C half of ``LoRAFunction.apply``: its Python half only serves functorch transforms and setup_context.
+_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, LoRAFunction)
+
+
+def lora_apply(x, weight, bias, lora_A, lora_B, plan: Plan, seed) -> torch.Tensor:
+    """``LoRAFunction.apply``, through its C half outside torch.compile; refuses torch.func transforms."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "parallel_lora's LoRA op has no torch.func rule (vmap, grad, jacrev, ...): call the layer outside the "
+            "transform, e.g. loop over the batch instead of vmap, or use torch.autograd.grad for gradients"
+        )
+    if torch.compiler.is_compiling():
+        return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)
+    return _APPLY(x, weight, bias, lora_A, lora_B, plan, seed)
 
 
 def check_inputs(x, weight, bias, lora_A, lora_B, scale: float) -> None:
@@ -232,7 +257,7 @@ def lora_linear(
         seed = draw_seed(x) if dropout_seed is None else check_seed(dropout_seed, x.device)
         if isinstance(seed, int) and torch.compiler.is_compiling():
             seed = seed_tensor(seed, x.device)  # the compiled op takes its seed as a tensor
-    return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)
+    return lora_apply(x, weight, bias, lora_A, lora_B, plan, seed)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -8,12 +8,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._C import _are_functorch_transforms_active as functorch_active
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._dropout import DropoutStream
 from ._log import logger
 from .config import LoRAConfig
-from .functional import LoRAFunction, Plan, Plans, call_key, linear, make_plan
+from .functional import Plan, Plans, call_key, linear, lora_apply, make_plan
 
 
 def init_lora_A_(weight: torch.Tensor, config: LoRAConfig, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -92,7 +93,7 @@ class LoRALayer(nn.Module):
 
     def _call_plan(self, x: torch.Tensor, key_tensors: tuple, build: Callable[[], Plan]) -> Plan:
         """The kept plan of ``x``'s call signature (``key_tensors``: W, bias, A, B as stored), else ``build()``."""
-        if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta:
+        if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta or functorch_active():
             return build()
         key = call_key(x, *key_tensors, self.training, id(self.config))
         return self._plans.get(key) or self._plans.keep(key, build())
@@ -162,7 +163,7 @@ class LoRALinear(LoRALayer):
         A, B = self.lora_A.weight, self.lora_B.weight
         plan = self._call_plan(x, (weight, bias, A, B), lambda: self._make_plan(x, weight, bias, A, B))
         seed = self._dropout_stream.next_seed(x) if plan.p else None
-        return LoRAFunction.apply(x, weight, bias, A, B, plan, seed)
+        return lora_apply(x, weight, bias, A, B, plan, seed)
 
     def extra_repr(self) -> str:
         c = self.config

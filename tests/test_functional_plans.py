@@ -76,6 +76,30 @@ def test_a_plan_follows_the_parameters_mode_and_autocast():
         layer(x.double())
 
 
+def test_a_call_of_matching_dtypes_casts_nothing(monkeypatch):
+    """A plan settles whether its calls cast: where every operand is already in its compute dtype, none is cast."""
+    layer = _layer("triton")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    layer(x).sum().backward()
+    casts = _counting(monkeypatch, functional, "cast_to")
+    layer(x).sum().backward()
+    assert casts == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # x and W cast to bf16 on the way in, grads cast back
+        layer(x).sum().backward()
+    assert casts and x.grad.dtype == F32
+
+
+def test_an_eager_call_skips_the_python_half_of_function_apply(monkeypatch):
+    """Eager calls enter the autograd Function through its C half; a torch.func transform gets a clear refusal."""
+    layer = _layer("triton")
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    applied = _counting(monkeypatch, functional.LoRAFunction, "apply")
+    layer(x).sum().backward()
+    assert applied == [] and x.grad is not None and layer.lora_B.weight.grad is not None
+    with pytest.raises(RuntimeError, match="no torch.func rule.*outside the transform"):
+        torch.func.vmap(layer)(torch.randn(3, 2, 16))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_many_token_counts_keep_the_plans_bounded_and_right(backend, monkeypatch):
     # A run with unpacked data sees a new token count at almost every step: plans and kernel sites stay bounded.

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._dropout import SEED_BOUND, DropoutStream
 from .._dtypes import cast_to, compute_dtype
 from ..config import LoRAConfig
-from ..functional import LoRAFunction, Plan
+from ..functional import Plan, lora_apply
 from ..layers import LoRALayer, LoRALinear
 from ._comm import (
     DeferredGradReduction,
@@ -208,7 +208,7 @@ class _ParallelLoRALinear(LoRALayer):
         reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)
         a_local, b_local = adapter_shards(A, B, replicated, group, reduce)
         seed = self._dropout_stream.next_seed(x) if plan.p else None
-        return LoRAFunction.apply(x, w_local, bias, a_local, b_local, plan, seed)
+        return lora_apply(x, w_local, bias, a_local, b_local, plan, seed)
 
     def _plan(self, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None) -> Plan:
         self._check_call(x)

@@ -46,19 +46,17 @@ def recording_dropouts() -> Iterator[list[Dropout | None]]:
     """Yields a list of the ``Dropout`` of every LoRA call of the TP layers (``None`` where inactive), as its plan and
     seed make it."""
     used: list[Dropout | None] = []
-    real = parallel.LoRAFunction
+    real = parallel.lora_apply
 
-    class Recording:
-        @staticmethod
-        def apply(x, weight, bias, lora_A, lora_B, plan, seed):
-            used.append(Dropout(plan.p, seed, plan.position, plan.k_offset) if plan.p else None)
-            return real.apply(x, weight, bias, lora_A, lora_B, plan, seed)
+    def recording(x, weight, bias, lora_A, lora_B, plan, seed):
+        used.append(Dropout(plan.p, seed, plan.position, plan.k_offset) if plan.p else None)
+        return real(x, weight, bias, lora_A, lora_B, plan, seed)
 
-    parallel.LoRAFunction = Recording
+    parallel.lora_apply = recording
     try:
         yield used
     finally:
-        parallel.LoRAFunction = real
+        parallel.lora_apply = real
 
 
 def _dropout_matches_reference(sp: bool, position: str) -> None:
