@@ -83,8 +83,8 @@ def capture_launches(
         "shrink_G": lambda: shrink.lora_shrink(dy, B, s),
         "reduce": lambda: adapter_grads.lora_adapter_grads(x, G, dy, S),
         "reduce_drop": lambda: adapter_grads.lora_adapter_grads(x, G, dy, S, drop_x=True, **drop),
-        "shrink_gemm": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s),
-        "shrink_gemm_drop": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A.t(), B.t(), s, drop_post=True,
+        "shrink_gemm": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A, B, s),
+        "shrink_gemm_drop": lambda: shrink_gemm.lora_shrink_gemm(x, W, True, None, A, B, s, drop_post=True,
                                                                  **drop),  # fmt: skip
         "dx_grads": lambda: dx_grads.lora_dx_and_grads(dy, W, False, G, A, x, S),
         "dx_grads_drop": lambda: dx_grads.lora_dx_and_grads(dy, W, False, G, A, x, S, lora_drop=True, **drop),

@@ -230,7 +230,7 @@ def run_forward(
     site_s, site_y, w_nk = entry
     if w_nk is not None:
         return lora_shrink_gemm(
-            x, weight if w_nk else weight.t(), w_nk, bias, lora_A.t(), lora_B.t(), scale, drop_post=mode == "post",
+            x, weight if w_nk else weight.t(), w_nk, bias, lora_A, lora_B, scale, drop_post=mode == "post",
             **drop_kw, site=site_s,
         )
     s_lora = lora_shrink(

@@ -170,8 +170,8 @@ def lora_shrink_gemm(
     w: torch.Tensor,
     w_nk: bool,
     bias: torch.Tensor | None,
-    u: torch.Tensor,
-    f: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
     scale: float,
     *,
     p: float = 0.0,
@@ -179,24 +179,26 @@ def lora_shrink_gemm(
     drop_post: bool = False,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y [M, N], S [M, r])``: ``S = c * drop_post(x @ u)`` as ``shrink.lora_shrink``, ``y = x @ w (+ bias) + S @ f``
-    (``u = A^T``, ``f = B^T``, ``w`` as ``gemm_tma.tma_operand`` gives W^T), for ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
+    """``(y [M, N], S [M, r])``: ``S = c * drop_post(x A^T)`` as ``shrink.lora_shrink``, ``y = x @ w (+ bias) + S B^T``
+    (``A [r, K]``, ``B [N, r]``, ``w`` as ``gemm_tma.tma_operand`` gives W^T) for ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
     M = x.shape[0]
-    R, N = f.shape
+    N, R = lora_B.shape
     dev, dtype = x.device, x.dtype
     y = torch.empty((M, N), device=dev, dtype=dtype)
     s_lora = torch.empty((M, R), device=dev, dtype=dtype)
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
     sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)
-    tensors = (x, w, bias if bias is not None else y, u, s_lora, f, y, sync)
+    # A and B stand for the kernel's u = A^T and f = B^T: a launch reads their pointers, its bind their strides.
+    tensors = (x, w, bias if bias is not None else y, lora_A, s_lora, lora_B, y, sync)
     runtime = (float(c), float(p), *seed_arg(seed, x))
-    launch(site, tensors, runtime, _describe, x, w, w_nk, bias, u, s_lora, f, y, drop_post)
+    launch(site, tensors, runtime, _describe, x, w, w_nk, bias, lora_A, s_lora, lora_B, y, drop_post)
     return y, s_lora
 
 
-def _describe(x, w, w_nk: bool, bias, u, s_lora, f, y, drop_post: bool) -> tuple:
+def _describe(x, w, w_nk: bool, bias, lora_A, s_lora, lora_B, y, drop_post: bool) -> tuple:
     M, K = x.shape
+    u, f = lora_A.t(), lora_B.t()
     R, N = f.shape
     num_sms = 3 if interpreting() else sm_count(x.device.index or 0)
 

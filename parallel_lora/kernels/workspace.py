@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-from triton.runtime import driver
 
 PARTIALS: dict[tuple, torch.Tensor] = {}
 COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -56,8 +55,8 @@ def outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
     """A buffer of ``numel`` or more elements in ``cache`` per (device, current stream), zero when new if ``zeroed``."""
-    # Not ``torch.cuda.current_stream``, which builds a Stream object at every call.
-    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+    # The raw handle: ``torch.cuda.current_stream`` builds a Stream object, Triton's driver proxy adds lookups.
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     make = torch.zeros if zeroed else torch.empty
     return grown(cache, (device, stream), numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
 
@@ -65,7 +64,7 @@ def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dt
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     if stream is None:
         return torch.empty(size, device="cuda", dtype=torch.int8)
-    key = (torch.cuda.current_device(), stream)
+    key = (torch._C._cuda_getDevice(), stream)  # torch.cuda.current_device() without its Python wrapper
     return grown(DESCRIPTORS, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
 
 

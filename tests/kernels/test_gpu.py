@@ -421,5 +421,5 @@ def test_gpu_fused_launch_smem_estimate_bounds_every_compiled_config(monkeypatch
     elif op == "shrink_db":
         shrink_db.lora_shrink_db(dy, lora_B, s_lora, 2.0, p=0.1, seed=seed, drop_post=True)
     else:
-        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A.t(), lora_B.t(), 2.0, p=0.1, seed=seed, drop_post=True)
+        shrink_gemm.lora_shrink_gemm(x, weight, True, b, lora_A, lora_B, 2.0, p=0.1, seed=seed, drop_post=True)
     assert checked
