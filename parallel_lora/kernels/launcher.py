@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ import triton
 from .host import interpreting, keep_at_most
 from .spec import KernelSpec
 from .tuning import launch_tuned
-from .workspace import with_descriptor_scratch
+from .workspace import descriptor_scratch, with_descriptor_scratch
 
 if TYPE_CHECKING:
     from triton.runtime.jit import JITFunction
@@ -67,8 +68,30 @@ BOUND_KEPT = 1024
 _BOUND: dict[tuple, Bound] = {}
 
 
-def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int]) -> Callable | None:
-    """``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups; None under launch hooks."""
+# Triton 3.6's CudaLauncher (torch 2.11's Triton): ``run(gx, gy, gz, stream, function, *args)`` takes the scratch
+# from Triton's allocators, then calls ``run.launch(gx, gy, gz, stream, function, cooperative, pdl, scratch, profile,
+# *args)``.
+C_LAUNCH_TRITON = "3.6."
+C_LAUNCH_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+
+
+def c_launch(launcher: object) -> Callable | None:
+    """``launcher.launch``, the C entry under Triton 3.6's launcher, where its layout is that one and it asks no
+    profile scratch; else None (Triton's own path)."""
+    if not triton.__version__.startswith(C_LAUNCH_TRITON) or getattr(launcher, "profile_scratch_size", 1) != 0:
+        return None
+    try:
+        params = tuple(inspect.signature(type(launcher).__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    return getattr(launcher, "launch", None) if params == C_LAUNCH_PARAMS else None
+
+
+def direct_launch(
+    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool
+) -> Callable | None:
+    """``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups (with the descriptor scratch
+    from ``workspace``, and below Triton 3.6's Python launcher where ``c_launch`` finds it); None under launch hooks."""
     knobs, packed = getattr(triton, "knobs", None), getattr(compiled, "packed_metadata", None)
     if knobs is None or packed is None:  # a Triton without this launcher contract: its own path
         return None
@@ -79,11 +102,22 @@ def direct_launch(compiled: triton.compiler.CompiledKernel, g: tuple[int, int, i
     launcher, function = compiled.run, compiled.function
     stream_of, device = torch._C._cuda_getCurrentRawStream, torch.cuda.current_device()
     g0, g1, g2 = g
+    entry = c_launch(launcher)
+    if entry is None:
 
-    def direct(*args):
-        launcher(g0, g1, g2, stream_of(device), function, packed, None, None, None, *args)
+        def direct(*args):
+            launcher(g0, g1, g2, stream_of(device), function, packed, None, None, None, *args)
 
-    return direct
+        return with_descriptor_scratch(direct) if descriptors else direct
+    coop, pdl, align = launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.global_scratch_align
+    size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
+
+    def direct_c(*args):
+        stream = stream_of(device)
+        scratch = descriptor_scratch(size, align, stream) if size else None
+        entry(g0, g1, g2, stream, function, coop, pdl, scratch, None, packed, None, None, None, *args)
+
+    return direct_c
 
 
 def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple) -> tuple:
@@ -125,6 +159,8 @@ def bind(
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-    run = direct_launch(compiled, g) or compiled[g]
-    bound = Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, tail)
+    run = direct_launch(compiled, g, descriptors)
+    if run is None:
+        run = with_descriptor_scratch(compiled[g]) if descriptors else compiled[g]
+    bound = Bound(spec.name, run, static, tail)
     return keep_at_most(_BOUND, key, bound, BOUND_KEPT)

@@ -61,7 +61,8 @@ def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dt
     return grown(cache, (device, stream), numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
 
 
-def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+def descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator contract: ``size`` bytes for a launch's TMA descriptors, the stream's workspace."""
     if stream is None:
         return torch.empty(size, device="cuda", dtype=torch.int8)
     key = (torch._C._cuda_getDevice(), stream)  # torch.cuda.current_device() without its Python wrapper
@@ -73,7 +74,7 @@ def with_descriptor_scratch(run: Callable) -> Callable:
     from triton.runtime._allocation import _allocator
 
     def run_with_scratch(*args):
-        token = _allocator.set(_descriptor_scratch)
+        token = _allocator.set(descriptor_scratch)
         try:
             return run(*args)
         finally:

@@ -200,7 +200,7 @@ def test_descriptor_launches_use_the_shared_workspace_whatever_allocator_is_set(
     from parallel_lora.kernels import workspace
 
     scratch = torch.empty(8, dtype=torch.int8)
-    monkeypatch.setattr(workspace, "_descriptor_scratch", lambda size, alignment, stream: scratch)
+    monkeypatch.setattr(workspace, "descriptor_scratch", lambda size, alignment, stream: scratch)
     foreign = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)  # noqa: E731
     got = []
 
@@ -219,3 +219,43 @@ def test_descriptor_launches_use_the_shared_workspace_whatever_allocator_is_set(
         assert [t is scratch for t in got] == [True, True] and _allocator.get() is foreign
     finally:
         triton.set_allocator(before)
+
+
+class _Launcher36:
+    """A launcher shaped as Triton 3.6's ``CudaLauncher``: its ``launch`` records what it is called with."""
+
+    num_ctas, global_scratch_size, global_scratch_align, profile_scratch_size = 1, 128, 64, 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+        self.launch = lambda *args: self.calls.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        raise AssertionError("the Python half of the launcher ran")
+
+
+def _compiled(run) -> object:
+    members = {"run": run, "function": "fn", "packed_metadata": "meta", "_init_handles": lambda self: None}
+    return type("Compiled", (), members)()
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
+def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspace(version, monkeypatch):
+    # Below Triton 3.6's Python launcher: the C entry gets grid, stream, launch flags, the descriptor scratch of the
+    # whole grid from the per-stream workspace, no profile scratch, then Triton's metadata and hooks and the args.
+    # Another Triton keeps its own launcher, behind the scratch wrapper.
+    run, scratch, asked = _Launcher36(), torch.empty(8, dtype=torch.int8), []
+    monkeypatch.setattr(launcher.triton, "__version__", version)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "descriptor_scratch", lambda *a: asked.append(a) or scratch)
+    direct = launcher.direct_launch(_compiled(run), (3, 2, 1), True)
+    if version == "3.8.0":
+        assert launcher.c_launch(run) is None and direct.__name__ == "run_with_scratch"
+        return
+    direct(1, "x", 2.5)
+    assert asked == [(3 * 2 * 128, 64, 77)]
+    assert run.calls == [(3, 2, 1, 77, "fn", False, True, scratch, None, "meta", None, None, None, 1, "x", 2.5)]
+    run.profile_scratch_size = 16  # a profiler's scratch: Triton's own path
+    assert launcher.c_launch(run) is None
