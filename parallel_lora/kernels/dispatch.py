@@ -121,7 +121,7 @@ def _check_call(scale: float, dropout: Dropout | None, x) -> None:
 def _device_key(x: torch.Tensor) -> tuple[int, int]:
     """x's device index and the current CUDA device (a kernel is loaded and launched on the current one)."""
     index = x.get_device()
-    return index, torch.cuda.current_device() if index >= 0 else -1
+    return index, torch._C._cuda_getDevice() if index >= 0 else -1  # torch.cuda.current_device() minus its wrapper
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -162,8 +162,8 @@ def backward_key(
     *needs: bool,
 ) -> tuple:
     """The ``_BACKWARD_SITES`` key: as ``forward_key``, plus which gradients are wanted."""
-    layouts = tuple(_layout(t) for t in (dy, x, weight, lora_A, lora_B, s_lora))
-    return _device_key(dy), *layouts, mask, *needs
+    return (_device_key(dy), _layout(dy), _layout(x), _layout(weight), _layout(lora_A), _layout(lora_B),
+            _layout(s_lora), mask, *needs)
 
 
 # launch sites by checked layout, for callers without a plan (the compiled op, direct calls)
