@@ -121,8 +121,8 @@ def grad_problems(
     feat_b, g_b = (dy, s_lora) if want_b else (x, g)
     R = g_a.shape[1]
     dev, dtype = feat_a.device, out_dtype or feat_a.dtype
-    dA = torch.empty((R, feat_a.shape[1]), device=dev, dtype=dtype) if want_a else None
-    dB = torch.empty((feat_b.shape[1], R), device=dev, dtype=dtype) if want_b else None
+    dA = torch.empty(R, feat_a.shape[1], device=dev, dtype=dtype) if want_a else None
+    dB = torch.empty(feat_b.shape[1], R, device=dev, dtype=dtype) if want_b else None
     return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
 
 

@@ -161,7 +161,7 @@ def lora_dx_and_grads(
     want_a, want_b = x is not None, s_lora is not None
     sums = db_partials is not None
     dev, dtype = dy.device, dy.dtype
-    dx = torch.empty((M, K), device=dev, dtype=dtype)
+    dx = torch.empty(M, K, device=dev, dtype=dtype)
     if want_a or want_b:
         problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, out_dtype)
     else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G, G) for their pointers
@@ -170,7 +170,7 @@ def lora_dx_and_grads(
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:
-        dB = torch.empty((N, R), device=dev, dtype=out_dtype or dtype)
+        dB = torch.empty(N, R, device=dev, dtype=out_dtype or dtype)
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info

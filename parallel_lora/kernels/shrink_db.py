@@ -159,7 +159,7 @@ def lora_shrink_db(
     R = lora_B.shape[1]
     r_pad = pad_rank(R)
     dev = dy.device
-    g = torch.empty((M, R), device=dev, dtype=dy.dtype)
+    g = torch.empty(M, R, device=dev, dtype=dy.dtype)
     info = site_info(site, _workspace, M, N, dev)
     splits, n_per_split, blocks = info
     pdb = stream_buffer(DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)

@@ -184,8 +184,8 @@ def lora_shrink_gemm(
     M = x.shape[0]
     N, R = lora_B.shape
     dev, dtype = x.device, x.dtype
-    y = torch.empty((M, N), device=dev, dtype=dtype)
-    s_lora = torch.empty((M, R), device=dev, dtype=dtype)
+    y = torch.empty(M, N, device=dev, dtype=dtype)
+    s_lora = torch.empty(M, R, device=dev, dtype=dtype)
     # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
     sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
     c = shrink_scale(scale, p, drop_post)

@@ -56,9 +56,12 @@ def outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
 def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dtype, *, zeroed: bool) -> torch.Tensor:
     """A buffer of ``numel`` or more elements in ``cache`` per (device, current stream), zero when new if ``zeroed``."""
     # The raw handle: ``torch.cuda.current_stream`` builds a Stream object, Triton's driver proxy adds lookups.
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    buf = cache.get(key)
+    if buf is not None and buf.numel() >= numel:  # every call but a stream's first or a growth
+        return buf
     make = torch.zeros if zeroed else torch.empty
-    return grown(cache, (device, stream), numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
+    return grown(cache, key, numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
 
 
 def descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
