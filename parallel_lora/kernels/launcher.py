@@ -108,7 +108,7 @@ def direct_launch(
         def direct(*args):
             launcher(g0, g1, g2, stream_of(device), function, packed, None, None, None, *args)
 
-        return with_descriptor_scratch(direct) if descriptors else direct
+        return with_descriptor_scratch(direct, descriptors)
     coop, pdl, align = launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.global_scratch_align
     size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
 
@@ -150,17 +150,17 @@ def bind(
     static, grid, consts = build()
     descriptors = spec.descriptors(consts)
     args = (*tensors, *static, *runtime)
-    tune = with_descriptor_scratch(launch_tuned) if descriptors else launch_tuned
+    tune = with_descriptor_scratch(launch_tuned, descriptors)
     compiled, cfg = tune(spec, kernel, grid, args, consts)
     if not isinstance(compiled, triton.compiler.CompiledKernel):
         run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
-        return Bound(spec.name, with_descriptor_scratch(run) if descriptors else run, static, ())
+        return Bound(spec.name, with_descriptor_scratch(run, descriptors), static, ())
     meta = {**consts, **cfg.kwargs}
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
     run = direct_launch(compiled, g, descriptors)
     if run is None:
-        run = with_descriptor_scratch(compiled[g]) if descriptors else compiled[g]
+        run = with_descriptor_scratch(compiled[g], descriptors)
     bound = Bound(spec.name, run, static, tail)
     return keep_at_most(_BOUND, key, bound, BOUND_KEPT)

@@ -72,8 +72,11 @@ def descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.T
     return grown(DESCRIPTORS, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
 
 
-def with_descriptor_scratch(run: Callable) -> Callable:
-    """``run`` with Triton's allocator set to the descriptor workspace for each call, the caller's restored after."""
+def with_descriptor_scratch(run: Callable, descriptors: bool = True) -> Callable:
+    """``run`` with Triton's allocator set to the descriptor workspace for each call, the caller's restored after;
+    ``run`` itself for a kernel that makes no ``descriptors``."""
+    if not descriptors:
+        return run
     from triton.runtime._allocation import _allocator
 
     def run_with_scratch(*args):
