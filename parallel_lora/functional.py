@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from . import _eager as eager
 from ._dropout import Dropout, check_dropout, check_seed, draw_seed, seed_tensor
-from ._dtypes import NO_CONTEXT, autocast_off, cast_to, compute_dtype
+from ._dtypes import autocast_off, cast_to, compute_dtype
 from .kernels.host import interpreting, keep_at_most
 from .kernels.ops import dispatch_module
 
@@ -40,10 +40,10 @@ class Plan:
     """One call signature of a layer, settled once: backend, compute dtype, scale, dropout, collectives, sites."""
 
     def __init__(self, backend, dtype, scale, p, position, k_offset, input_comm=None, output_comm=None,
-                 adapter_dtype=None, casts=True, autocast=True) -> None:
+                 adapter_dtype=None, casts=True) -> None:
         self.backend, self.dtype, self.scale = backend, dtype, scale
         self.adapter_dtype = adapter_dtype  # what the adapters are cast to; None: the kernels read them as they are
-        self.casts, self.autocast = casts, autocast  # whether a call casts an operand / runs under autocast
+        self.casts = casts  # whether a call casts an operand
         self.p, self.position, self.k_offset = p, position, k_offset
         self.mode = position if p > 0.0 else None
         self._mask_offset = k_offset if position == "pre" else 0
@@ -128,9 +128,7 @@ def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropo
     adapters = lora_A.dtype if adapter_dtype is None else adapter_dtype
     operands = ((x, dtype), (weight, dtype), (bias, dtype), (lora_A, adapters), (lora_B, adapters))
     casts = any(t is not None and t.dtype != want for t, want in operands)
-    autocast = torch.is_autocast_enabled(x.device.type)
-    return Plan(backend, dtype, float(scale), p, position, k_offset, input_comm, output_comm, adapter_dtype, casts,
-                autocast)
+    return Plan(backend, dtype, float(scale), p, position, k_offset, input_comm, output_comm, adapter_dtype, casts)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +147,7 @@ class LoRAFunction(torch.autograd.Function):
             if plan.adapter_dtype is not None:
                 lora_A, lora_B = cast_to(lora_A, plan.adapter_dtype), cast_to(lora_B, plan.adapter_dtype)
         x_full = x if plan.input_comm is None else plan.input_comm.gather(x)
-        with autocast_off(x.device.type) if plan.autocast else NO_CONTEXT:
+        with autocast_off(x.device.type):
             y2d, s_lora = plan.forward(_rows(x_full), weight, bias, lora_A, lora_B, seed)
         ctx.save_for_backward(x, weight, lora_A, lora_B, s_lora)
         ctx.plan, ctx.seed, ctx.has_bias = plan, seed, bias is not None

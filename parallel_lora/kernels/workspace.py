@@ -21,13 +21,14 @@ DESCRIPTORS: dict[tuple, torch.Tensor] = {}
 RETIRED: list[torch.Tensor] = []
 
 
-def grown(cache: dict, key: tuple, numel: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """``cache[key]`` if it holds ``numel`` elements, else a new ``make(numel)`` there (the old one retired)."""
+def grown(cache: dict, key: tuple, numel: int, make: Callable, least: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[key]`` if it holds ``numel`` elements, else a new ``make(max(numel, least))`` there, the old retired."""
     buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            RETIRED.append(buf)
-        buf = cache[key] = outside_graph_pools(lambda: make(numel))
+    if buf is not None and buf.numel() >= numel:  # every call but a key's first or a growth
+        return buf
+    if buf is not None:
+        RETIRED.append(buf)
+    buf = cache[key] = outside_graph_pools(lambda: make(max(numel, least), device=device, dtype=dtype))
     return buf
 
 
@@ -57,11 +58,7 @@ def stream_buffer(cache: dict, device: torch.device, numel: int, dtype: torch.dt
     """A buffer of ``numel`` or more elements in ``cache`` per (device, current stream), zero when new if ``zeroed``."""
     # The raw handle: ``torch.cuda.current_stream`` builds a Stream object, Triton's driver proxy adds lookups.
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    buf = cache.get(key)
-    if buf is not None and buf.numel() >= numel:  # every call but a stream's first or a growth
-        return buf
-    make = torch.zeros if zeroed else torch.empty
-    return grown(cache, key, numel, lambda n: make(max(n, 1 << 10), device=device, dtype=dtype))
+    return grown(cache, key, numel, torch.zeros if zeroed else torch.empty, 1 << 10, device, dtype)
 
 
 def descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -69,7 +66,7 @@ def descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.T
     if stream is None:
         return torch.empty(size, device="cuda", dtype=torch.int8)
     key = (torch._C._cuda_getDevice(), stream)  # torch.cuda.current_device() without its Python wrapper
-    return grown(DESCRIPTORS, key, size, lambda n: torch.empty(max(n, 1 << 16), device="cuda", dtype=torch.int8))
+    return grown(DESCRIPTORS, key, size, torch.empty, 1 << 16, "cuda", torch.int8)
 
 
 def with_descriptor_scratch(run: Callable, descriptors: bool = True) -> Callable:
