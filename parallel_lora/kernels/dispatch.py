@@ -20,7 +20,7 @@ from .host import interpreting, keep_at_most, pad_rank
 from .launcher import Site
 from .shrink import lora_shrink
 from .shrink_db import lora_shrink_db, takes_db_partials
-from .shrink_gemm import MAX_FUSED_R_PAD, MAX_FUSED_WIDE_R_PAD, lora_shrink_gemm
+from .shrink_gemm import MAX_FUSED_R_PAD, MAX_FUSED_WIDE_R_PAD, lora_shrink_gemm, programs, spares_keep_pace
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The largest rank: every kernel's fallback config fits ~100 KB of shared memory up to it, even in fp32.
@@ -178,14 +178,16 @@ def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _y_takes_fused(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, mode: str | None) -> bool:
-    # Empty problems, large ranks, adapters wider than x above r16 and the "pre" mask stay on the separate launches
-    # (docs/kernels.md says why).
+    # Empty problems, large ranks, adapters wider than x above r16, the "pre" mask and outputs too narrow for the
+    # spare programs to keep pace stay on the separate launches (docs/kernels.md says why).
     r_pad = pad_rank(lora_A.shape[0])
     if x.numel() == 0 or weight.numel() == 0 or r_pad > MAX_FUSED_R_PAD or mode == "pre":
         return False
     if r_pad > MAX_FUSED_WIDE_R_PAD and lora_A.element_size() > x.element_size():
         return False
-    return tma_compatible(x, _y_operand(weight)[0], weight.shape[0])
+    if not tma_compatible(x, _y_operand(weight)[0], weight.shape[0]):
+        return False
+    return spares_keep_pace(x.shape[0], weight.shape[0], x.element_size(), programs(x))
 
 
 def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:

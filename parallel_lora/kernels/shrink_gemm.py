@@ -22,6 +22,23 @@ from .workspace import SYNC, stream_buffer
 MAX_FUSED_R_PAD = 64  # a larger fp32 producer tile beside the GEMM's registers would spill
 MAX_FUSED_WIDE_R_PAD = 16  # adapters wider than x (fp32 over bf16) above it: the separate launches are faster
 S_STAGES = 4
+# x elements a GEMM SM multiplies-and-adds per element a spare SM reads, halved: the H100's, where the spare
+# programs of a bf16 launch with 4 spare per 128 GEMM programs kept pace from 4096 output columns.
+PACE = 64
+PACE_TILE = (128, 256)  # the GEMM tile tuning picks on Hopper at the shapes where pace matters
+
+
+def programs(x: torch.Tensor) -> int:
+    """The launch's persistent programs: one per SM of x's device (3 in the interpreter)."""
+    return 3 if interpreting() else sm_count(x.device.index or 0)
+
+
+def spares_keep_pace(M: int, N: int, elem: int, num_programs: int) -> bool:
+    """Whether the spare programs make S as fast as the GEMM tiles use it, or the tiles fit one wave."""
+    tiles = cdiv(M, PACE_TILE[0]) * cdiv(N, PACE_TILE[1])
+    waves = cdiv(tiles, num_programs)
+    gemm = cdiv(tiles, waves)
+    return waves == 1 or N * (num_programs - gemm) >= PACE * elem * gemm
 
 
 def shrink_gemm_configs() -> list[triton.Config]:
@@ -200,7 +217,7 @@ def _describe(x, w, w_nk: bool, bias, lora_A, s_lora, lora_B, y, drop_post: bool
     M, K = x.shape
     u, f = lora_A.t(), lora_B.t()
     R, N = f.shape
-    num_sms = 3 if interpreting() else sm_count(x.device.index or 0)
+    num_sms = programs(x)
 
     def build():
         r_pad = pad_rank(R)

@@ -69,6 +69,31 @@ def test_forward_fp32_adapters_above_r16_take_the_separate_launches(monkeypatch,
     clear_sites()
 
 
+def test_spares_keep_pace_from_4096_columns_or_in_one_wave():
+    # On 132 SMs with 128 x 256 tiles: llama-1b's q, o and down at 8192 tokens (4 waves, 4 spare programs) fall
+    # behind, its wide gate and up keep pace, and every 2048-token projection is one wave.
+    keeps = shrink_gemm.spares_keep_pace
+    assert not keeps(8192, 2048, 2, 132) and not keeps(8192, 1024, 2, 132)
+    assert keeps(8192, 4096, 2, 132) and keeps(8192, 8192, 2, 132) and keeps(8192, 14336, 2, 132)
+    assert keeps(2048, 2048, 2, 132) and keeps(8192, 512, 2, 132) and not keeps(8192, 4096, 4, 132)
+    assert not keeps(8192, 4096, 2, 114), "1024 tiles in 9 waves fill 114 SMs: no spare program"
+
+
+def test_forward_takes_the_separate_launches_where_spares_fall_behind(monkeypatch):
+    # One tile per 128 rows: on 4 programs 8 row blocks take two waves and leave no spare program; 4 fit one wave.
+    skip_without_tma()
+    monkeypatch.setattr(dispatch, "programs", lambda x: 4)
+    launched = count_launches(monkeypatch)
+    for M, expected in ((1024, ["shrink", "gemm_tma"]), (512, ["shrink_gemm"])):
+        x, weight, b, lora_A, lora_B, _ = make_inputs(M, 64, 48, 8, torch.bfloat16)
+        clear_sites()
+        kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)  # binds (on GPU: tunes) the sites
+        launched.clear()
+        kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+        assert launched == expected, M
+    clear_sites()
+
+
 @pytest.mark.parametrize("shape", [(37, 64, 48), (64, 96, 80)], ids=["spare_programs", "tiles_claim"])
 @pytest.mark.parametrize("drop", ["none", "post"])
 def test_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop, shape):
