@@ -22,8 +22,8 @@ from .workspace import SYNC, stream_buffer
 MAX_FUSED_R_PAD = 64  # a larger fp32 producer tile beside the GEMM's registers would spill
 MAX_FUSED_WIDE_R_PAD = 16  # adapters wider than x (fp32 over bf16) above it: the separate launches are faster
 S_STAGES = 4
-# An SM's multiply-add rate over its read bandwidth in elements, halved (docs/kernels.md): set where the H100's fused
-# and separate forwards cross over, 4096 bf16 output columns at 4 spare per 128 GEMM programs.
+# An SM's multiply-add rate over its read bandwidth, in multiply-adds per byte (docs/kernels.md): set where the H100's
+# fused and separate forwards cross over, 4096 bf16 output columns at 4 spare per 128 GEMM programs.
 PACE = 64
 PACE_TILE = (128, 256)  # the GEMM tile tuning picks on Hopper at the shapes where pace matters
 
