@@ -4,6 +4,7 @@ and against PEFT, side by side in one process on the same data (needs CUDA).
     python -m benchmarks.model                          # --preset llama-8b-4l --tokens 8192
     python -m benchmarks.model --preset llama-1b --tokens 2048 --compile-mode default,reduce-overhead
     python -m benchmarks.model --preset llama-1b --layers 8 --batch 2 --tokens 8192   # a preset's dims overridden
+    python -m benchmarks.model --preset llama-1b --tokens 2048 --profile   # and each case's GPU time by kernel group
     python -m benchmarks.model --smoke --out /tmp/model.json   # a tiny model on the CPU: the flow, no timings to read
 
 The model is ``LlamaForCausalLM`` with random weights, bf16 base, SDPA attention, causal-LM loss on random tokens,
@@ -53,7 +54,10 @@ The harness times what a plain loop runs: before anything else, a fresh process 
 (``AutoModelForCausalLM.from_config``, frozen, ``enable_input_require_grads``, ``loss.backward()``, nothing else)
 the same way, and ``meta["plain"]`` holds ``frozen_over_plain`` (must be within ``PLAIN_MAX``). Timed steps run
 with the garbage collector paused and the objects of set-up frozen out of its scans (``gc.freeze``); each case's
-row also holds a probe of one step: its host issue time, synchronizing calls, device allocations.
+row also holds a probe of one step: its host issue time, synchronizing calls, device allocations. With
+``--profile``, each row also holds ``gpu_ms_by_group``: the GPU time of ``--calls`` more steps per step, by kernel
+group (``KERNEL_GROUPS``: ours, Inductor's, attention, the optimizer, cuBLAS GEMMs, the rest), beside which the
+step time and the host issue time tell whether a step waits on the host or on a group of kernels.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ import torch.nn as nn
 from benchmarks.common import (
     back_to_back_ms,
     gc_paused,
+    kernel_us,
     module_command,
     ratio_over_rounds,
     require_cuda,
@@ -125,6 +130,15 @@ FLOORS = {"loss": 1e-4, "logits": 1e-3, "grads": 1e-3}  # loss: relative to PEFT
 EFFECT_MIN = 4.0
 PLAIN_MAX = 1.03  # the frozen step over a plain loop's, each in its own process
 ADAPTER_SHARE = 0.5  # the adapter update's size, as a share of each projection's base output
+# ``--profile``: a step's GPU kernels by who launches them, each kernel in the first group one of whose keys its
+# lowercased name contains, else in ``other`` (elementwise, norms, the loss, copies).
+KERNEL_GROUPS = (
+    ("parallel_lora", ("_lora_", "_dx_and_grads_kernel", "_shrink_gemm_kernel")),
+    ("inductor", ("triton_",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "splitk")),
+)
 SMOKE = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 128, "layers": 2,
          "batch": 1, "tokens": 32, "rounds": 1, "calls": 1, "batches": 1, "warmup": 2}  # fmt: skip
 
@@ -449,6 +463,20 @@ def step_peaks_gib(cases: dict[str, Case], steps: dict[str, Callable], base: nn.
     return peaks
 
 
+def kernel_group(name: str) -> str:
+    """The ``KERNEL_GROUPS`` group of the GPU kernel called ``name``, else ``other``."""
+    low = name.lower()
+    return next((group for group, keys in KERNEL_GROUPS if any(key in low for key in keys)), "other")
+
+
+def gpu_ms_by_group(per_kernel_us: dict[str, float]) -> dict[str, float]:
+    """GPU ms per step of each kernel group (and their ``total``), from GPU us per step by kernel name."""
+    groups = dict.fromkeys([*(group for group, _ in KERNEL_GROUPS), "other"], 0.0)
+    for name, us in per_kernel_us.items():
+        groups[kernel_group(name)] += us / 1e3
+    return {**groups, "total": sum(groups.values())}
+
+
 def wall_ms(fn: Callable[[], object]) -> float:
     """Wall-clock ms of one call: the smoke run's stand-in for CUDA events."""
     start = time.perf_counter()
@@ -603,9 +631,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         times = time_in_rounds(steps, args.rounds, time_one)
         if not args.smoke:
             probes = {name: probe(step) for name, step in steps.items()}
+        profiles = {name: gpu_ms_by_group(kernel_us(step, args.calls)) for name, step in steps.items()} if (
+            args.profile) else {}  # fmt: skip
     finally:
         gc.unfreeze()
     rows = model_rows(times, args.tokens, peaks, probes)
+    for row in rows:
+        if row["impl"] in profiles:
+            row["gpu_ms_by_group"] = profiles[row["impl"]]
     targets = target_checks(times, args.preset, args.tokens)
     ours_graphs = COMPILE_MODES["reduce-overhead"][1]
     if ours_graphs in training:
@@ -621,6 +654,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         host = f"{probed['host_issue_ms']:.1f}" if probed else "-"
         print(f"{row['impl']:>29} {row['step_ms']:9.2f} {row['ratio_to_frozen']:8.3f} {eager:>7} "
               f"{row['tokens_per_s']:9.0f} {peak:>8} {host:>8} {probed.get('syncs', '-'):>5}")  # fmt: skip
+    if profiles:
+        groups = [*next(iter(profiles.values()))]
+        print(f"\nGPU ms per step by kernel group (torch.profiler, {args.calls} steps)\n{'impl':>29} "
+              + " ".join(f"{g:>13}" for g in groups))  # fmt: skip
+        for name, ms in profiles.items():
+            print(f"{name:>29} " + " ".join(f"{ms[g]:13.2f}" for g in groups))
     dims = {k: getattr(args, k) for k in (*DIMS, "batch", "seq_len", "r", "alpha")}
     model = {"preset": args.preset, **dims, "tokens_per_step": args.tokens, "compile_modes": list(args.modes)}
     if plain is not None and "step_ms" in plain:
@@ -673,6 +712,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-plain-check", dest="plain_check", action="store_false",
                         help="skip the plain transformers loop in a fresh process")  # fmt: skip
     parser.add_argument("--plain-only", action="store_true", help=argparse.SUPPRESS)  # plain_check's child
+    parser.add_argument("--profile", action="store_true", help="after timing, each case's GPU ms per step by kernel "
+                                                               "group (torch.profiler)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, one step per case: the flow")
     parser.add_argument("--out", default="", help="JSON path (default benchmarks/results/model_<gpu>_<preset>_"
                                                   "<tokens>.json; --smoke writes only with --out)")  # fmt: skip
@@ -686,6 +727,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
+    if args.smoke and args.profile:
+        parser.error("--profile reads GPU kernels, and --smoke runs on the CPU: drop one of them")
     args.preset = "smoke" if args.smoke else "custom" if custom else args.preset
     modes = [m for m in args.compile_mode.split(",") if m] + (["default"] if args.compile else [])
     if not set(modes) <= set(COMPILE_MODES):

@@ -2,8 +2,8 @@
 # Every benchmark issue 42 asks for, in one GPU session of under ten minutes (one H100), each step under its own
 # timeout and all of them under one deadline; the JSON (and each step's log) go to $OUT, else benchmarks/results/.
 #
-#   bash benchmarks/run_all.sh            # host, layer --kernel-time, model: llama-1b 2048 (eager, compiled and
-#                                         # CUDA graphs), llama-1b 8192, llama-8b-4l 8192
+#   bash benchmarks/run_all.sh            # host, layer --kernel-time, model --profile: llama-1b 2048 (eager,
+#                                         # compiled and CUDA graphs), llama-1b 8192, llama-8b-4l 8192
 #   bash benchmarks/run_all.sh --quick    # the same cases, one timing round
 #
 # Durations on an H100 at the default two timing rounds (Triton tuning and Inductor compilation run cold in a fresh
@@ -47,11 +47,11 @@ step host 200 python -m benchmarks.host --rounds "$ROUNDS" --out "$DEST/host_$GP
 step layer 90 python -m benchmarks.layer --kernel-time --impls parallel_lora --rounds "$ROUNDS" \
     --out "$DEST/layer_$GPU.json"
 step model_llama-1b_8192 120 python -m benchmarks.model --preset llama-1b --tokens 8192 --rounds "$ROUNDS" \
-    --out "$DEST/model_${GPU}_llama-1b_8192.json"
+    --profile --out "$DEST/model_${GPU}_llama-1b_8192.json"
 step model_llama-8b-4l_8192 75 python -m benchmarks.model --preset llama-8b-4l --tokens 8192 \
-    --rounds "$ROUNDS" --out "$DEST/model_${GPU}_llama-8b-4l_8192.json"
+    --rounds "$ROUNDS" --profile --out "$DEST/model_${GPU}_llama-8b-4l_8192.json"
 step model_llama-1b_2048 600 python -m benchmarks.model --preset llama-1b --tokens 2048 \
-    --compile-mode default,reduce-overhead --rounds "$ROUNDS" --out "$DEST/model_${GPU}_llama-1b_2048.json"
+    --compile-mode default,reduce-overhead --rounds "$ROUNDS" --profile --out "$DEST/model_${GPU}_llama-1b_2048.json"
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"

@@ -197,3 +197,49 @@ def test_cases_with_adapters_step_fused_adamw_over_the_trainable_parameters_only
     optimizer = model.adamw(layer)
     assert optimizer.defaults["fused"] is True
     assert [p for group in optimizer.param_groups for p in group["params"]] == [layer.weight]
+
+
+def test_kernel_groups_name_who_launched_each_kernel():
+    named = {
+        "_dx_and_grads_kernel": "parallel_lora", "_lora_shrink_db_kernel": "parallel_lora",
+        "_shrink_gemm_kernel": "parallel_lora", "triton_poi_fused__to_copy_add_mul_0": "inductor",
+        "triton_tem_fused_mm_1": "inductor", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas": "gemm",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "gemm",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t>>":
+            "attention",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>":
+            "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>": "other",
+    }  # fmt: skip
+    assert {name: model.kernel_group(name) for name in named} == named
+
+
+def test_gpu_ms_by_group_sums_each_groups_kernels_per_step():
+    ms = model.gpu_ms_by_group({"_dx_and_grads_kernel": 300.0, "_lora_shrink_db_kernel": 30.0,
+                                "nvjet_sm90_tst_x": 1200.0, "elementwise_x": 70.0})  # fmt: skip
+    assert ms["parallel_lora"] == pytest.approx(0.33) and ms["gemm"] == pytest.approx(1.2)
+    assert ms["other"] == pytest.approx(0.07) and ms["attention"] == 0.0 and ms["total"] == pytest.approx(1.6)
+    assert list(ms) == [*(group for group, _ in model.KERNEL_GROUPS), "other", "total"]
+
+
+def test_profile_puts_each_cases_gpu_time_by_group_in_its_row(monkeypatch, capsys):
+    seen = []
+
+    def fake_kernel_us(step, calls):
+        seen.append(calls)
+        return {"_shrink_gemm_kernel": 50.0, "nvjet_sm90_x": 950.0}
+
+    monkeypatch.setattr(model, "kernel_us", fake_kernel_us)
+    args = model.parse_args(["--smoke", "--no-plain-check"])
+    args.profile = True  # the parser refuses it with --smoke: on the CPU there are no kernels to read
+    rows = model.run(args, [])["rows"]
+    assert len(seen) == len(rows) == len(model.IMPLS) and set(seen) == {args.calls}
+    assert all(row["gpu_ms_by_group"]["total"] == pytest.approx(1.0) for row in rows)
+    assert "GPU ms per step by kernel group" in capsys.readouterr().out
+
+
+def test_profile_is_refused_on_the_cpu_smoke_run(capsys):
+    with pytest.raises(SystemExit):
+        model.parse_args(["--smoke", "--profile"])
+    assert "--profile reads GPU kernels" in capsys.readouterr().err
