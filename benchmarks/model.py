@@ -477,6 +477,14 @@ def gpu_ms_by_group(per_kernel_us: dict[str, float]) -> dict[str, float]:
     return {**groups, "total": sum(groups.values())}
 
 
+def profile_groups(step: Callable[[], object], calls: int) -> dict:
+    """``gpu_ms_by_group`` of ``calls`` profiled steps, or ``{"error"}``: a profile that fails costs no timings."""
+    try:
+        return gpu_ms_by_group(kernel_us(step, calls))
+    except RuntimeError as error:
+        return {"error": f"{type(error).__name__}: {str(error)[-300:]}"}
+
+
 def wall_ms(fn: Callable[[], object]) -> float:
     """Wall-clock ms of one call: the smoke run's stand-in for CUDA events."""
     start = time.perf_counter()
@@ -631,8 +639,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         times = time_in_rounds(steps, args.rounds, time_one)
         if not args.smoke:
             probes = {name: probe(step) for name, step in steps.items()}
-        profiles = {name: gpu_ms_by_group(kernel_us(step, args.calls)) for name, step in steps.items()} if (
-            args.profile) else {}  # fmt: skip
+        profiles = {name: profile_groups(step, args.calls) for name, step in steps.items()} if args.profile else {}
     finally:
         gc.unfreeze()
     rows = model_rows(times, args.tokens, peaks, probes)
@@ -655,11 +662,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         print(f"{row['impl']:>29} {row['step_ms']:9.2f} {row['ratio_to_frozen']:8.3f} {eager:>7} "
               f"{row['tokens_per_s']:9.0f} {peak:>8} {host:>8} {probed.get('syncs', '-'):>5}")  # fmt: skip
     if profiles:
-        groups = [*next(iter(profiles.values()))]
+        groups = [*(group for group, _ in KERNEL_GROUPS), "other", "total"]
         print(f"\nGPU ms per step by kernel group (torch.profiler, {args.calls} steps)\n{'impl':>29} "
               + " ".join(f"{g:>13}" for g in groups))  # fmt: skip
         for name, ms in profiles.items():
-            print(f"{name:>29} " + " ".join(f"{ms[g]:13.2f}" for g in groups))
+            cells = ms["error"] if "error" in ms else " ".join(f"{ms[g]:13.2f}" for g in groups)
+            print(f"{name:>29} {cells}")
     dims = {k: getattr(args, k) for k in (*DIMS, "batch", "seq_len", "r", "alpha")}
     model = {"preset": args.preset, **dims, "tokens_per_step": args.tokens, "compile_modes": list(args.modes)}
     if plain is not None and "step_ms" in plain:

@@ -243,3 +243,11 @@ def test_profile_is_refused_on_the_cpu_smoke_run(capsys):
     with pytest.raises(SystemExit):
         model.parse_args(["--smoke", "--profile"])
     assert "--profile reads GPU kernels" in capsys.readouterr().err
+
+
+def test_a_profile_that_fails_is_reported_in_its_row_not_raised(monkeypatch):
+    def broken(step, calls):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(model, "kernel_us", broken)
+    assert model.profile_groups(lambda: None, 2) == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
