@@ -54,7 +54,7 @@ The harness times what a plain loop runs: before anything else, a fresh process 
 (``AutoModelForCausalLM.from_config``, frozen, ``enable_input_require_grads``, ``loss.backward()``, nothing else)
 the same way, and ``meta["plain"]`` holds ``frozen_over_plain`` (must be within ``PLAIN_MAX``). Timed steps run
 with the garbage collector paused and the objects of set-up frozen out of its scans (``gc.freeze``); each case's
-row also holds a probe of one step: its host issue time, synchronizing calls, device allocations. With
+row also holds a probe: one step's host issue time and device allocations, another's synchronizing calls. With
 ``--profile``, each row also holds ``gpu_ms_by_group``: the GPU time of ``--calls`` more steps per step, by kernel
 group (``KERNEL_GROUPS``: ours, Inductor's, attention, the optimizer, cuBLAS GEMMs, the rest), beside which the
 step time and the host issue time tell whether a step waits on the host or on a group of kernels.
@@ -494,23 +494,26 @@ def wall_ms(fn: Callable[[], object]) -> float:
 
 def probe(step: Callable[[], object]) -> dict:
     """One more step, looked at (CUDA): its host issue time (the GPU idle when it starts), its wall time to the
-    sync, its synchronizing calls (``torch.cuda.set_sync_debug_mode``) and the device allocations it made."""
+    sync and the device allocations it made; then another, untimed, counting its synchronizing calls
+    (``torch.cuda.set_sync_debug_mode``, kept out of the timed step)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            start = time.perf_counter()
-            step()
-            issued = time.perf_counter() - start
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    start = time.perf_counter()
+    step()
+    issued = time.perf_counter() - start
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     after = torch.cuda.memory_stats()
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in ("num_device_alloc", "num_device_free",
                                                                      "num_alloc_retries")}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {"host_issue_ms": issued * 1e3, "wall_ms": wall * 1e3, "syncs": syncs, **delta}
 

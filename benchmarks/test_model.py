@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,20 @@ def test_a_profile_that_fails_is_reported_in_its_row_not_raised(monkeypatch):
 
     monkeypatch.setattr(model, "kernel_us", broken)
     assert model.profile_groups(lambda: None, 2) == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+
+
+def test_probe_times_its_step_without_sync_debug_mode_and_counts_syncs_in_another(monkeypatch):
+    modes, allocs = [0], iter([{"num_device_alloc": 5}, {"num_device_alloc": 7}])
+    seen = []
+
+    def step():
+        seen.append(modes[-1])
+        if modes[-1] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: next(allocs))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    probed = model.probe(step)
+    assert seen == [0, "warn"] and modes[-1] == 0  # the timed step ran with the debug mode off, and it is off after
+    assert probed["syncs"] == 1 and probed["num_device_alloc"] == 2 and probed["host_issue_ms"] >= 0
