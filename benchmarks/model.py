@@ -139,6 +139,7 @@ KERNEL_GROUPS = (
     ("optimizer", ("adam", "multi_tensor")),
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "cublas", "splitk")),
 )
+GROUP_NAMES = (*(group for group, _ in KERNEL_GROUPS), "other")
 SMOKE = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 128, "layers": 2,
          "batch": 1, "tokens": 32, "rounds": 1, "calls": 1, "batches": 1, "warmup": 2}  # fmt: skip
 
@@ -471,7 +472,7 @@ def kernel_group(name: str) -> str:
 
 def gpu_ms_by_group(per_kernel_us: dict[str, float]) -> dict[str, float]:
     """GPU ms per step of each kernel group (and their ``total``), from GPU us per step by kernel name."""
-    groups = dict.fromkeys([*(group for group, _ in KERNEL_GROUPS), "other"], 0.0)
+    groups = dict.fromkeys(GROUP_NAMES, 0.0)
     for name, us in per_kernel_us.items():
         groups[kernel_group(name)] += us / 1e3
     return {**groups, "total": sum(groups.values())}
@@ -559,7 +560,8 @@ def plain_check(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def model_rows(times: dict[str, list[float]], tokens: int, peaks: dict[str, float | None],
-               probes: dict[str, dict] | None = None) -> list[dict]:  # fmt: skip
+               probes: dict[str, dict] | None = None,
+               profiles: dict[str, dict] | None = None) -> list[dict]:  # fmt: skip
     """One row per case from its per-round step times (ms), each ratio taken to the frozen step of its round (a
     compiled case's: the frozen step compiled the same way; it also gets ``ratio_to_eager``, to itself uncompiled,
     where that is the same case)."""
@@ -575,6 +577,8 @@ def model_rows(times: dict[str, list[float]], tokens: int, peaks: dict[str, floa
             row["ratio_to_eager"] = ratio_over_rounds(ms, times[EAGER_OF[impl]])
         if probes and impl in probes:
             row["probe"] = probes[impl]
+        if profiles and impl in profiles:
+            row["gpu_ms_by_group"] = profiles[impl]
         rows.append(row)
     return rows
 
@@ -645,10 +649,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         profiles = {name: profile_groups(step, args.calls) for name, step in steps.items()} if args.profile else {}
     finally:
         gc.unfreeze()
-    rows = model_rows(times, args.tokens, peaks, probes)
-    for row in rows:
-        if row["impl"] in profiles:
-            row["gpu_ms_by_group"] = profiles[row["impl"]]
+    rows = model_rows(times, args.tokens, peaks, probes, profiles)
     targets = target_checks(times, args.preset, args.tokens)
     ours_graphs = COMPILE_MODES["reduce-overhead"][1]
     if ours_graphs in training:
@@ -665,7 +666,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         print(f"{row['impl']:>29} {row['step_ms']:9.2f} {row['ratio_to_frozen']:8.3f} {eager:>7} "
               f"{row['tokens_per_s']:9.0f} {peak:>8} {host:>8} {probed.get('syncs', '-'):>5}")  # fmt: skip
     if profiles:
-        groups = [*(group for group, _ in KERNEL_GROUPS), "other", "total"]
+        groups = [*GROUP_NAMES, "total"]
         print(f"\nGPU ms per step by kernel group (torch.profiler, {args.calls} steps)\n{'impl':>29} "
               + " ".join(f"{g:>13}" for g in groups))  # fmt: skip
         for name, ms in profiles.items():
