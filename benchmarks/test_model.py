@@ -224,6 +224,20 @@ def test_gpu_ms_by_group_sums_each_groups_kernels_per_step():
     assert list(ms) == [*(group for group, _ in model.KERNEL_GROUPS), "other", "total"]
 
 
+def test_every_kernel_the_package_launches_groups_as_ours():
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface  # JITFunction, or InterpretedFunction under TRITON_INTERPRET
+
+    import parallel_lora.kernels as kernels
+
+    modules = [importlib.import_module(f"{kernels.__name__}.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    launched = {obj.fn.__name__ for mod in modules for obj in vars(mod).values()
+                if isinstance(obj, KernelInterface) and obj.fn.__name__.endswith("_kernel")}  # fmt: skip
+    assert len(launched) >= 6 and {model.kernel_group(name) for name in launched} == {"parallel_lora"}
+
+
 def test_profile_puts_each_cases_gpu_time_by_group_in_its_row(monkeypatch, capsys):
     seen = []
 
