@@ -94,53 +94,6 @@ def k_loop(
 
 
 @triton.jit
-def k_loop_shrink(
-    acc, acc_s, x_desc, w_desc, u_ptr, pid_m, pid_n, k_tiles, K_RED, R, stride_uk, stride_ur, W_NK: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """``k_loop`` that also accumulates ``acc_s + x[tile rows, :] @ u [K_RED, R]`` (``[BLOCK_M, R_PAD]``) from the
-    same x tiles: the shrink of S inside the GEMM's own loop."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, R_PAD)
-    r_in = offs_r < R
-    for ki in range(k_tiles):
-        off = ki * BLOCK_K
-        a = x_desc.load([pid_m * BLOCK_M, off])
-        if W_NK:
-            b = w_desc.load([pid_n * BLOCK_N, off]).T
-        else:
-            b = w_desc.load([off, pid_n * BLOCK_N])
-        k_in = off + offs_k < K_RED
-        u = tl.load(u_ptr + (off + offs_k)[:, None] * stride_uk + offs_r[None, :] * stride_ur,
-                    mask=k_in[:, None] & r_in[None, :], other=0.0)  # fmt: skip
-        u = as_operand(u, a.dtype, UPCAST)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            u = u.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        acc_s = tl.dot(a, u, acc_s, input_precision=DOT_PRECISION)
-    return acc, acc_s
-
-
-@triton.jit
-def rank_dot(
-    acc, s, f_ptr, offs_n, N_OUT, R, stride_fr, stride_fn, R_PAD: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``acc + s @ f[:R, offs_n]`` with ``s [BLOCK_M, R_PAD]`` in registers (columns past R are zeros)."""
-    offs_r = tl.arange(0, R_PAD)
-    f = tl.load(f_ptr + offs_r[:, None] * stride_fr + offs_n[None, :] * stride_fn,
-                mask=(offs_r[:, None] < R) & (offs_n[None, :] < N_OUT), other=0.0)  # fmt: skip
-    f = as_operand(f, s.dtype, UPCAST)
-    if UPCAST:
-        s = s.to(tl.float32)
-        f = f.to(tl.float32)
-    return tl.dot(s, f, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def rank_term(
     acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr, stride_fn,
     R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,

@@ -8,17 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import (
-    gemm_descriptors,
-    k_loop,
-    k_loop_shrink,
-    rank_dot,
-    rank_term,
-    shrink_rows,
-    store_tile,
-    tile_coords,
-)
-from .dropout_mask import drop_tile, mask_keys
+from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile, tile_coords
+from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
 from .launcher import Site, launch
@@ -51,17 +42,11 @@ def spares_keep_pace(M: int, N: int, elem: int, num_programs: int) -> bool:
 
 
 def shrink_gemm_configs() -> list[triton.Config]:
-    """The TMA GEMM's configs, each with the producers' K step ``S_BLOCK_K``, then each with S in its own K loop
-    (``S_IN_LOOP``): tuning picks spare producers or the in-loop shrink per shape."""
-    spare = tma_configs_with("S_BLOCK_K", (128, 128, 128, 64))
-    return [triton.Config({**c.kwargs, "S_IN_LOOP": in_loop}, num_stages=c.num_stages, num_warps=c.num_warps)
-            for in_loop in (0, 1) for c in spare]  # fmt: skip
+    """The TMA GEMM's configs, each with the producers' K step ``S_BLOCK_K``."""
+    return tma_configs_with("S_BLOCK_K", (128, 128, 128, 64))
 
 
 def shrink_gemm_smem(cfg: dict, stages: int, elem: int, consts: dict) -> int:
-    if cfg["S_IN_LOOP"]:  # u's tiles ride in the GEMM's pipeline stages
-        u_loop = adapter_bytes(cfg["BLOCK_K"] * consts["R_PAD"], stages, elem, consts, "u_ptr")
-        return tma_smem(cfg, stages, elem, consts) + u_loop
     # A producing tile's previous output staging (half a tile) may still be draining.
     bm, sk = cfg["BLOCK_M"], cfg["S_BLOCK_K"]
     u_tile = adapter_bytes(sk * consts["R_PAD"], consts["S_STAGES"], elem, consts, "u_ptr")
@@ -93,44 +78,6 @@ def _produce(
             tl.atomic_xchg(flag_ptr, published, sem="release", scope="gpu")
 
 
-@triton.jit
-def _in_loop_tiles(
-    x_ptr, w_ptr, bias_ptr, u_ptr, s_ptr, f_ptr, out_ptr, pid, programs, M, N_OUT, K_RED, R, stride_xm, stride_w,
-    stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias, s_scale, p, seed_ptr,
-    seed_salt, W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr, R_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Program ``pid``'s tiles, each with its row block's S from its own K loop; the row block's first column
-    tile stores S."""
-    x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_POST)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
-    k_tiles = tl.cdiv(K_RED, BLOCK_K)
-    offs_r = tl.arange(0, R_PAD)
-    for tile_id in tl.range(pid, num_pid_m * num_pid_n, programs):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_s = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
-        acc, acc_s = k_loop_shrink(
-            acc, acc_s, x_desc, w_desc, u_ptr, pid_m, pid_n, k_tiles, K_RED, R, stride_uk, stride_ur, W_NK, UPCAST,
-            DOT_PRECISION, R_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        if DROP_POST:
-            acc_s = drop_tile(acc_s, k_row, k_col, p, offs_m, 0, False)
-        s = (acc_s * s_scale).to(s_ptr.dtype.element_ty)
-        if pid_n == 0:
-            s_ptrs = s_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr
-            tl.store(s_ptrs, s, mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
-        acc = rank_dot(acc, s, f_ptr, offs_n, N_OUT, R, stride_fr, stride_fn, R_PAD, UPCAST, DOT_PRECISION)
-        store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS, BLOCK_M,
-                   BLOCK_N)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["seed_salt"], do_not_specialize_on_alignment=["seed_ptr"])
 def _shrink_gemm_kernel(
     x_ptr,
@@ -147,89 +94,79 @@ def _shrink_gemm_kernel(
     W_NK: tl.constexpr, HAS_BIAS: tl.constexpr, DROP_POST: tl.constexpr,
     FENCE: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr, S_IN_LOOP: tl.constexpr,
+    GROUP_M: tl.constexpr, S_BLOCK_K: tl.constexpr, S_STAGES: tl.constexpr,
 ):
-    """``sync_ptr``: int32 ``[epoch, finished programs, queue head, one flag per row block]`` of this stream;
-    ``S_IN_LOOP``: every program runs tiles, each accumulating its row block's S in its own K loop (no sync)."""
+    """``sync_ptr``: int32 ``[epoch, finished programs, queue head, one flag per row block]`` of this stream."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N_OUT, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    if S_IN_LOOP:
-        _in_loop_tiles(
-            x_ptr, w_ptr, bias_ptr, u_ptr, s_ptr, f_ptr, out_ptr, pid, programs, M, N_OUT, K_RED, R, stride_xm,
-            stride_w, stride_uk, stride_ur, stride_sm, stride_sr, stride_fr, stride_fn, stride_om, stride_bias,
-            s_scale, p, seed_ptr, seed_salt, W_NK, HAS_BIAS, DROP_POST, R_PAD, UPCAST, DOT_PRECISION, BLOCK_M,
-            BLOCK_N, BLOCK_K, GROUP_M,
-        )  # fmt: skip
-    else:
-        # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
-        spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
-        # Shared scalars are read by atomics, whose result is uniform across the program: threads that read
-        # different values would diverge around barriers and hang. A tile's early plain read of its flag is made
-        # uniform by a vote.
-        epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
-        claimed = 2 * epoch + 1
-        published = claimed + 1
-        flags = sync_ptr + 3
-        k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_POST)
+    # As many GEMM programs as keep the number of waves; the first programs (dispatched first) are spare.
+    spare = programs - tl.cdiv(num_tiles, tl.cdiv(num_tiles, programs))
+    # Shared scalars are read by atomics, whose result is uniform across the program: threads that read different
+    # values would diverge around barriers and hang. A tile's early plain read of its flag is made uniform by a vote.
+    epoch = tl.atomic_add(sync_ptr, 0, sem="relaxed", scope="gpu")
+    claimed = 2 * epoch + 1
+    published = claimed + 1
+    flags = sync_ptr + 3
+    k_row, k_col = mask_keys(seed_ptr, seed_salt, DROP_POST)
 
-        if pid < spare:
+    if pid < spare:
+        rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
+        while rb < num_pid_m:
+            seen = tl.atomic_add(flags + rb, 0, sem="relaxed", scope="gpu")
+            _produce(
+                x_ptr, u_ptr, s_ptr, flags + rb, seen, claimed, published, rb, M, K_RED, R, stride_xm, stride_uk,
+                stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD, UPCAST,
+                DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+            )  # fmt: skip
             rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-            while rb < num_pid_m:
-                seen = tl.atomic_add(flags + rb, 0, sem="relaxed", scope="gpu")
+    else:
+        x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
+                                                    stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
+        k_tiles = tl.cdiv(K_RED, BLOCK_K)
+        for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
+            pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            seen = tl.load(flags + pid_m, volatile=True)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
+            if FENCE:
+                pending = tl.inline_asm_elementwise(
+                    "{ .reg .pred p, q; setp.ne.s32 q, $1, $2; bar.red.or.pred p, 0, q; selp.s32 $0, 1, 0, p; }",
+                    "=r,r,r", [seen, published], dtype=tl.int32, is_pure=False, pack=1,
+                )
+            else:
+                pending = seen != published
+            if pending:
+                seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
                 _produce(
-                    x_ptr, u_ptr, s_ptr, flags + rb, seen, claimed, published, rb, M, K_RED, R, stride_xm, stride_uk,
-                    stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD, UPCAST,
-                    DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
+                    x_ptr, u_ptr, s_ptr, flags + pid_m, seen, claimed, published, pid_m, M, K_RED, R, stride_xm,
+                    stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD,
+                    UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
                 )  # fmt: skip
-                rb = tl.atomic_add(sync_ptr + 2, 1, sem="relaxed", scope="gpu")
-        else:
-            x_desc, w_desc, out_desc = gemm_descriptors(x_ptr, w_ptr, out_ptr, M, N_OUT, K_RED, stride_xm, stride_w,
-                                                        stride_om, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
-            k_tiles = tl.cdiv(K_RED, BLOCK_K)
-            for tile_id in tl.range(pid - spare, num_tiles, programs - spare):
-                pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                seen = tl.load(flags + pid_m, volatile=True)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc = k_loop(acc, x_desc, w_desc, pid_m, pid_n, k_tiles, W_NK, UPCAST, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
-                if FENCE:
-                    pending = tl.inline_asm_elementwise(
-                        "{ .reg .pred p, q; setp.ne.s32 q, $1, $2; bar.red.or.pred p, 0, q; selp.s32 $0, 1, 0, p; }",
-                        "=r,r,r", [seen, published], dtype=tl.int32, is_pure=False, pack=1,
-                    )
-                else:
-                    pending = seen != published
-                if pending:
+                # Claimed by a running program (maybe this one), which publishes without waiting on anything.
+                seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
+                while seen != published:
                     seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
-                    _produce(
-                        x_ptr, u_ptr, s_ptr, flags + pid_m, seen, claimed, published, pid_m, M, K_RED, R, stride_xm,
-                        stride_uk, stride_ur, stride_sm, stride_sr, s_scale, p, k_row, k_col, DROP_POST, R_PAD,
-                        UPCAST, DOT_PRECISION, BLOCK_M, S_BLOCK_K, S_STAGES,
-                    )  # fmt: skip
-                    # Claimed by a running program (maybe this one), which publishes without waiting on anything.
-                    seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
-                    while seen != published:
-                        seen = tl.atomic_add(flags + pid_m, 0, sem="acquire", scope="gpu")
-                if FENCE:
-                    # An acquire fence after the relaxed read that saw the release: S's loads follow its stores.
-                    seen = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [seen],
-                                                     dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-                acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
-                                stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, ".cg")  # fmt: skip
-                store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS,
-                           BLOCK_M, BLOCK_N)  # fmt: skip
+            if FENCE:
+                # An acquire fence after the relaxed read that saw the release: S's loads follow its stores.
+                seen = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [seen],
+                                                 dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            acc = rank_term(acc, s_ptr, f_ptr, offs_m, offs_n, M, N_OUT, R, stride_sm, stride_sr, stride_fr,
+                            stride_fn, R_PAD, BLOCK_R, UPCAST, DOT_PRECISION, ".cg")  # fmt: skip
+            store_tile(acc, out_desc, out_ptr, bias_ptr, pid_m, pid_n, offs_n, N_OUT, stride_bias, HAS_BIAS,
+                       BLOCK_M, BLOCK_N)  # fmt: skip
 
-        # The last program to finish resets the queue and advances the epoch for the stream's next launch.
-        finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if finished == programs - 1:
-            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr, epoch + 1, sem="relaxed", scope="gpu")
+    # The last program to finish resets the queue and advances the epoch for the stream's next launch.
+    finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == programs - 1:
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr, epoch + 1, sem="relaxed", scope="gpu")
 
 
 SPEC = KernelSpec(
@@ -240,7 +177,7 @@ SPEC = KernelSpec(
     work=gemm_work,
     fits=gemm_fits,
     dtype_arg="x_ptr",
-    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32, "S_IN_LOOP": 0},
+    interp={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "S_BLOCK_K": 32},
     descriptors=lambda consts: True,
 )
 

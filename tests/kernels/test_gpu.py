@@ -6,7 +6,6 @@ compiled against the shared-memory estimates.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 
@@ -368,37 +367,6 @@ def test_gpu_adapter_grads_smem_estimate_bounds_every_compiled_config(monkeypatc
     seed = torch.tensor([1], device="cuda")  # the call's seed, read in device memory
     adapter_grads.lora_adapter_grads(x, g, dy, s_lora, p=0.1, seed=seed, drop_x=True)
     assert checked
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("adapters", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("in_loop", [0, 1], ids=["spare_producers", "s_in_loop"])
-def test_gpu_shrink_gemm_either_way_of_making_s_matches_fp64(monkeypatch, in_loop, adapters):
-    # Tuning picks, per shape, spare programs that produce S or tiles that accumulate it in their own K loop. Each
-    # forward must match the eager oracle under "post" dropout, at one wave of tiles and at several, and repeat
-    # exactly; only the producers' launch advances the forward's epoch.
-    only = [c for c in shrink_gemm.shrink_gemm_configs() if c.kwargs["S_IN_LOOP"] == in_loop]
-    monkeypatch.setattr(shrink_gemm, "SPEC", dataclasses.replace(shrink_gemm.SPEC, configs=lambda: only))
-    monkeypatch.setattr(launcher, "_BOUND", {})
-    clear_sites()
-    torch.manual_seed(0)
-    drop = Dropout(p=0.1, seed=seed_tensor(7, "cuda"), position="post")
-    for M, K, N in ((2048, 2048, 2048), (4096, 1024, 8192)):
-        x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, 16, torch.bfloat16, device="cuda")
-        lora_A, lora_B = lora_A.to(adapters), lora_B.to(adapters)
-        first = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-        want = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop)
-        mag = reference(x, weight, b, lora_A, lora_B, dy, SCALE, drop, absolute=True)
-        for name, out, ref, m in zip(("y", "S"), first, want[:2], mag[:2], strict=True):
-            assert_matches(name, out, ref, m, torch.bfloat16, GPU_TOL[torch.bfloat16])
-        (sync,) = workspace.SYNC.values()
-        epoch = sync[0].item()
-        first = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-        again = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
-        assert sync[0].item() == epoch + 2 * (1 - in_loop), (M, K, N)
-        assert all(torch.equal(a, c) for a, c in zip(first, again, strict=True)), (M, K, N)
-    clear_sites()
 
 
 @gpu
