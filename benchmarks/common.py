@@ -62,6 +62,14 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
+def parse_dtypes(text: str) -> list[torch.dtype]:
+    """``"bfloat16,float32"`` -> ``[torch.bfloat16, torch.float32]``, every name a torch dtype."""
+    names = text.split(",")
+    if not all(isinstance(getattr(torch, n, None), torch.dtype) for n in names):
+        raise ValueError(f"expected torch dtype names such as bfloat16,float32, got {names}")
+    return [getattr(torch, n) for n in names]
+
+
 def gpu_slug(name: str) -> str:
     """A short file-name slug of a device name: ``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA GeForce RTX
     4090"`` -> ``"rtx4090"``: the first word holding both letters and digits, else the first two words joined."""

@@ -50,6 +50,7 @@ from benchmarks.common import (
     back_to_back_ms,
     kernel_us,
     module_command,
+    parse_dtypes,
     parse_shapes,
     ratio_over_rounds,
     require_cuda,
@@ -354,10 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(f"--shapes: {e}")
     args.dropouts = [0.0] if args.quick else [float(p) for p in args.dropouts.split(",")]
-    names = ["bfloat16"] if args.quick else args.adapter_dtypes.split(",")
-    if not all(isinstance(getattr(torch, n, None), torch.dtype) for n in names):
-        parser.error(f"--adapter-dtypes: expected torch dtype names such as bfloat16,float32, got {names}")
-    args.adapter_dtypes = [getattr(torch, n) for n in names]
+    try:
+        args.adapter_dtypes = parse_dtypes("bfloat16" if args.quick else args.adapter_dtypes)
+    except ValueError as e:
+        parser.error(f"--adapter-dtypes: {e}")
     return args
 
 

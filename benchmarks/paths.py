@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from benchmarks.common import (
     kernel_us,
     module_command,
+    parse_dtypes,
     parse_shapes,
     require_cuda,
     results_path,
@@ -143,12 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+        args.adapter_dtypes = parse_dtypes(args.adapter_dtypes)
     except ValueError as e:
-        parser.error(f"--shapes: {e}")
-    names = args.adapter_dtypes.split(",")
-    if not all(isinstance(getattr(torch, n, None), torch.dtype) for n in names):
-        parser.error(f"--adapter-dtypes: expected torch dtype names such as bfloat16,float32, got {names}")
-    args.adapter_dtypes = [getattr(torch, n) for n in names]
+        parser.error(str(e))
     return args
 
 

@@ -8,21 +8,14 @@ import torch
 
 from benchmarks import paths
 from parallel_lora import kernels
-from parallel_lora.kernels import dispatch, launcher, shrink_gemm
+from parallel_lora.kernels import dispatch, shrink_gemm
+from tests._kernels import count_launches
 
 
 @pytest.fixture
 def launched(monkeypatch) -> list[str]:
     """The kernel of every launch (the interpreter launches every one through a bound site)."""
-    names: list[str] = []
-    real = launcher.Bound.launch
-
-    def spy(self, tensors, runtime):
-        names.append(self.name)
-        return real(self, tensors, runtime)
-
-    monkeypatch.setattr(launcher.Bound, "launch", spy)
-    return names
+    return count_launches(monkeypatch)
 
 
 def operands(M=64, K=64, N=48, r=8):
