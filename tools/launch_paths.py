@@ -1,7 +1,7 @@
 """Each pass's two launch paths at each shape, in kernel time, beside the path the dispatch takes (needs CUDA).
 
-    python -m benchmarks.paths                                     # llama-1b's projections at 2048 and 8192 tokens
-    python -m benchmarks.paths --shapes "8192,4096,512,16;8192,512,4096,16"
+    python -m tools.launch_paths                                     # llama-1b's projections at 2048 and 8192 tokens
+    python -m tools.launch_paths --shapes "8192,4096,512,16;8192,512,4096,16"
 
 docs/kernels.md says which launches a call makes. The forward is either the fused launch (``shrink_gemm``) or the
 shrink and the GEMM apart; the dispatch picks by whether the spare programs keep pace. The backward is either the
@@ -134,7 +134,7 @@ def print_row(row: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.paths", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m tools.launch_paths", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="", help="M,K,N,r;M,K,N,r;... (default: llama-1b's projections)")
     parser.add_argument("--adapter-dtypes", default="bfloat16,float32", help="comma-separated adapter dtypes")
@@ -152,9 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    require_cuda("python -m benchmarks.paths")
+    require_cuda("python -m tools.launch_paths")
     timing = f"kernel time (torch.profiler), {args.calls} calls back to back, {args.rounds} interleaved rounds"
-    data: dict = {"meta": run_meta(module_command("benchmarks.paths"), timing), "rows": []}
+    data: dict = {"meta": run_meta(module_command("tools.launch_paths"), timing), "rows": []}
     out = Path(args.out) if args.out else results_path("paths")
     print(f"{'M':>5} {'K':>5} {'N':>5} {'r':>4} {'adapters':>8} {'pass':>4} {'cublas_us':>9} {'fused_us':>9} "
           f"{'separate':>9} {'takes':>9} {'faster':>9}")  # fmt: skip

@@ -1,4 +1,4 @@
-"""``benchmarks.paths``: the path each case is held to, the rows of one shape on the CPU (Triton's interpreter, a
+"""``tools.launch_paths``: the path each case is held to, the rows of one shape on the CPU (Triton's interpreter, a
 stand-in clock), and the dispatch's slower picks."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import paths
 from parallel_lora import kernels
 from parallel_lora.kernels import dispatch, shrink_gemm
 from tests._kernels import count_launches
+from tools import launch_paths as paths
 
 
 @pytest.fixture
