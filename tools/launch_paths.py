@@ -101,7 +101,8 @@ def measure(shape, adapter_dtype: torch.dtype, time_one: Callable, rounds: int) 
         for name in PATHS if p in fusable else PATHS[1:]:  # no fused launch for these operands: nothing to time
             cases[f"{p}/{name}"] = on(name, fn)
         if p in fusable:  # the two paths compute the same thing, up to the order of their fp32 sums
-            for a, b in zip(*(torch.atleast_1d(cases[f"{p}/{name}"]()) for name in PATHS), strict=True):
+            fused, separate = (cases[f"{p}/{name}"]() for name in PATHS)
+            for a, b in zip(fused, separate, strict=True):  # the forward's y row by row; the backward's dx, dA, dB
                 err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                 assert err < 1e-2, f"{shape} {p}: the fused and separate launches differ by {err:.1e} (norm-relative)"
     times = time_in_rounds(cases, rounds, time_one)
