@@ -187,7 +187,7 @@ def _y_takes_fused(x: torch.Tensor, weight: torch.Tensor, lora_A: torch.Tensor, 
         return False
     if not tma_compatible(x, _y_operand(weight)[0], weight.shape[0]):
         return False
-    return spares_keep_pace(x.shape[0], weight.shape[0], x.element_size(), programs(x))
+    return spares_keep_pace(x.shape[0], weight.shape[0], x.element_size(), programs(x), lora_A.element_size())
 
 
 def _dx_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -33,12 +33,15 @@ def programs(x: torch.Tensor) -> int:
     return 3 if interpreting() else sm_count(x.device.index or 0)
 
 
-def spares_keep_pace(M: int, N: int, elem: int, num_programs: int) -> bool:
-    """Whether the spare programs make S as fast as the GEMM tiles use it, or the tiles fit one wave."""
+def spares_keep_pace(M: int, N: int, elem: int, num_programs: int, adapter_elem: int) -> bool:
+    """Whether the spare programs make S as fast as the GEMM tiles use it; in one wave, whether each row block has a
+    spare program or the adapters are no wider than x (``elem``, ``adapter_elem``: bytes per element)."""
     tiles = cdiv(M, PACE_TILE[0]) * cdiv(N, PACE_TILE[1])
     waves = cdiv(tiles, num_programs)
     gemm = cdiv(tiles, waves)
-    return waves == 1 or N * (num_programs - gemm) >= PACE * elem * gemm
+    if waves == 1:
+        return adapter_elem <= elem or num_programs - gemm >= cdiv(M, PACE_TILE[0])
+    return N * (num_programs - gemm) >= PACE * elem * gemm
 
 
 def shrink_gemm_configs() -> list[triton.Config]:

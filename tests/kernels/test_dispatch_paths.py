@@ -72,11 +72,20 @@ def test_forward_fp32_adapters_above_r16_take_the_separate_launches(monkeypatch,
 def test_spares_keep_pace_from_4096_columns_or_in_one_wave():
     # On 132 SMs with 128 x 256 tiles: llama-1b's q, o and down at 8192 tokens (4 waves, 4 spare programs) fall
     # behind, its wide gate and up keep pace, and every 2048-token projection is one wave.
-    keeps = shrink_gemm.spares_keep_pace
+    keeps = lambda M, N, elem, programs: shrink_gemm.spares_keep_pace(M, N, elem, programs, elem)  # noqa: E731
     assert not keeps(8192, 2048, 2, 132) and not keeps(8192, 1024, 2, 132)
     assert keeps(8192, 4096, 2, 132) and keeps(8192, 8192, 2, 132) and keeps(8192, 14336, 2, 132)
     assert keeps(2048, 2048, 2, 132) and keeps(8192, 512, 2, 132) and not keeps(8192, 4096, 4, 132)
     assert not keeps(8192, 4096, 2, 114), "1024 tiles in 9 waves fill 114 SMs: no spare program"
+
+
+def test_one_wave_takes_the_separate_launches_for_wide_adapters_short_of_spares():
+    # fp32 adapters over bf16 x in one wave: q, o and down at 2048 tokens (16 row blocks, 4 spare programs) go
+    # apart; k and v (32 tiles, 100 spares) stay fused; adapters as wide as x stay fused; more waves keep the pace rule.
+    keeps = shrink_gemm.spares_keep_pace
+    assert not keeps(2048, 2048, 2, 132, 4) and not keeps(8192, 512, 2, 132, 4)
+    assert keeps(2048, 512, 2, 132, 4) and keeps(2048, 2048, 2, 132, 2) and keeps(2048, 2048, 4, 132, 4)
+    assert keeps(8192, 8192, 2, 132, 4) and not keeps(8192, 2048, 2, 132, 4)
 
 
 def test_forward_takes_the_separate_launches_where_spares_fall_behind(monkeypatch):
@@ -84,13 +93,17 @@ def test_forward_takes_the_separate_launches_where_spares_fall_behind(monkeypatc
     skip_without_tma()
     monkeypatch.setattr(dispatch, "programs", lambda x: 4)
     launched = count_launches(monkeypatch)
-    for M, expected in ((1024, ["shrink", "gemm_tma"]), (512, ["shrink_gemm"])):
+    # fp32 adapters in that one wave: no spare program for the 4 row blocks, so apart.
+    for M, expected, wide in ((1024, ["shrink", "gemm_tma"], False), (512, ["shrink_gemm"], False),
+                              (512, ["shrink", "gemm_tma"], True)):  # fmt: skip
         x, weight, b, lora_A, lora_B, _ = make_inputs(M, 64, 48, 8, torch.bfloat16)
+        if wide:
+            lora_A, lora_B = lora_A.float(), lora_B.float()
         clear_sites()
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)  # binds (on GPU: tunes) the sites
         launched.clear()
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
-        assert launched == expected, M
+        assert launched == expected, (M, wide)
     clear_sites()
 
 
