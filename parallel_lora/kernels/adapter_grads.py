@@ -12,7 +12,7 @@ from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
 from .host import aligned_pieces, cdiv, dot_options, interpreting, keep_scale, next_pow2, pad_rank, seed_arg
-from .launcher import Site, launch, site_info
+from .launcher import Site, launch, site_buffers, site_info
 from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -107,6 +107,12 @@ def partials_workspace(
     return split, m_per_split, split * F * pad_rank(R)
 
 
+def split_buffers(device: torch.device, partials: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split reductions' fp32 ``partials`` and their column ``counters``."""
+    return (stream_buffer(PARTIALS, device, partials, torch.float32, zeroed=False),
+            stream_buffer(COUNTERS, device, counters, torch.int32, zeroed=True))  # fmt: skip
+
+
 Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (feat, g, out) of one reduction
 
 
@@ -150,11 +156,8 @@ def lora_adapter_grads(
         return tuple(None if t is None else t.zero_() for t in (dA, dB))
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev)
     split, m_per_split, partials = info
-    if split > 1:
-        ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False)
-        count = stream_buffer(COUNTERS, dev, F_A + F_B, torch.int32, zeroed=True)
-    else:
-        ws, count = out_a, out_a  # never touched with one split
+    # never touched with one split
+    ws, count = site_buffers(site, dev, split_buffers, dev, partials, F_A + F_B) if split > 1 else (out_a, out_a)
     tensors = (feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count)
     runtime = (keep_scale(p, drop_x), float(p), *seed_arg(seed, feat_a), int(f_offset))
     launch(site, tensors, runtime, _describe, tensors, want_a, want_b, split, m_per_split, drop_x, f_offset, info=info)

@@ -8,15 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, partials_workspace, reduce_smem
+from .adapter_grads import REDUCE_M_ALIGN_INTERP, grad_problems, partials_workspace, reduce_smem, split_buffers
 from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
 from .host import dot_options, interpreting, keep_scale, pad_rank, seed_arg
-from .launcher import Site, launch, site_info
+from .launcher import Site, launch, site_buffers, site_info
 from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
-from .workspace import COUNTERS, PARTIALS, stream_buffer
+from .workspace import COUNTERS, stream_buffer
 
 # fmt: off
 
@@ -135,6 +135,13 @@ SPEC = KernelSpec(
 )
 
 
+def _buffers(device: torch.device, split: int, partials: int, counters: int) -> tuple:
+    """``(fp32 partials or None with one split, the queue and column counters)``."""
+    if split > 1:
+        return split_buffers(device, partials, counters)
+    return None, stream_buffer(COUNTERS, device, counters, torch.int32, zeroed=True)
+
+
 def lora_dx_and_grads(
     dy: torch.Tensor,
     w: torch.Tensor,
@@ -174,8 +181,8 @@ def lora_dx_and_grads(
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info
-    ws = stream_buffer(PARTIALS, dev, partials, torch.float32, zeroed=False) if split > 1 else out_a
-    count = stream_buffer(COUNTERS, dev, F_A + F_B + 2, torch.int32, zeroed=True)
+    ws, count = site_buffers(site, dev, _buffers, dev, split, partials, F_A + F_B + 2)
+    ws = out_a if ws is None else ws
     tensors = (dy, w, g, lora_A, dx, feat_a, g_a, out_a, feat_b, g_b, out_b, ws, count, pdb, dB if sums else out_a)
     runtime = (keep_scale(p, lora_drop), float(p), *seed_arg(seed, dy), int(k_offset))
     launch(site, tensors, runtime, _describe, tensors, w_nk, x, s_lora, sums, db_parts, split, m_per_split, lora_drop,

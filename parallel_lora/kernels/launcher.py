@@ -21,26 +21,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Bound:
-    """A kernel bound to one signature at a fixed grid: ``run(*tensors, *static, *runtime, *tail)``."""
+    """A kernel bound to one signature at a fixed grid: ``run(tensors, runtime)`` launches it."""
 
     name: str
-    run: Callable
-    static: tuple
-    tail: tuple
+    run: Callable[[tuple, tuple], None]
 
     def launch(self, tensors: tuple, runtime: tuple) -> None:
         """Launch on new tensors of the bound layout and new runtime scalars."""
-        self.run(*tensors, *self.static, *runtime, *self.tail)
+        self.run(tensors, runtime)
+
+
+def bound_run(run: Callable, static: tuple, tail: tuple) -> Callable[[tuple, tuple], None]:
+    """``run(*tensors, *static, *runtime, *tail)`` as a ``Bound.run``."""
+
+    def go(tensors: tuple, runtime: tuple) -> None:
+        run(*tensors, *static, *runtime, *tail)
+
+    return go
 
 
 class Site:
-    """One launch of the op for one operand layout: ``bound`` and the launcher's ``info``, filled at its first call."""
+    """One launch of the op for one operand layout: ``bound`` and the launcher's ``info``, filled at its first call,
+    and ``buffers``, the workspaces of the last stream it ran on."""
 
-    __slots__ = ("bound", "info")
+    __slots__ = ("bound", "info", "buffers")
 
     def __init__(self):
         self.bound: Bound | None = None
         self.info: tuple = ()
+        self.buffers: tuple | None = None
 
 
 def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable, *how, info: tuple = ()) -> None:
@@ -55,6 +64,18 @@ def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable
     bound = bind(spec, kernel, signature, tensors, runtime, build)
     if site is not None:  # info first: another thread never reads a filled site without it
         site.info, site.bound = info, bound
+
+
+def site_buffers(site: Site | None, device: torch.device, make: Callable, *args) -> object:
+    """The launch's workspaces ``make(*args)`` on ``device``'s current stream, kept in ``site`` for that stream."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    kept = None if site is None else site.buffers
+    if kept is not None and kept[0] == stream:
+        return kept[1]
+    buffers = make(*args)
+    if site is not None:
+        site.buffers = (stream, buffers)  # one assignment: another thread reads a stream with its own buffers
+    return buffers
 
 
 def site_info(site: Site | None, compute: Callable[..., tuple], *args) -> tuple:
@@ -88,10 +109,11 @@ def c_launch(launcher: object) -> Callable | None:
 
 
 def direct_launch(
-    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool
-) -> Callable | None:
-    """``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups (with the descriptor scratch
-    from ``workspace``, and below Triton 3.6's Python launcher where ``c_launch`` finds it); None under launch hooks."""
+    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple
+) -> Callable[[tuple, tuple], None] | None:
+    """``Bound.run`` of ``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups (with the
+    descriptor scratch from ``workspace``, and below Triton 3.6's Python launcher where ``c_launch`` finds it); None
+    under launch hooks."""
     knobs, packed = getattr(triton, "knobs", None), getattr(compiled, "packed_metadata", None)
     if knobs is None or packed is None:  # a Triton without this launcher contract: its own path
         return None
@@ -108,14 +130,18 @@ def direct_launch(
         def direct(*args):
             launcher(g0, g1, g2, stream_of(device), function, packed, None, None, None, *args)
 
-        return with_descriptor_scratch(direct, descriptors)
+        return bound_run(with_descriptor_scratch(direct, descriptors), static, tail)
     coop, pdl, align = launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.global_scratch_align
     size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
+    kept = (None, None)  # the last stream and its descriptor scratch
 
-    def direct_c(*args):
-        stream = stream_of(device)
-        scratch = descriptor_scratch(size, align, stream) if size else None
-        entry(g0, g1, g2, stream, function, coop, pdl, scratch, None, packed, None, None, None, *args)
+    def direct_c(tensors: tuple, runtime: tuple) -> None:
+        nonlocal kept
+        stream, last = stream_of(device), kept  # one read: another thread may replace it
+        if last[0] != stream:
+            last = kept = (stream, descriptor_scratch(size, align, stream) if size else None)
+        entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None, *tensors, *static,
+              *runtime, *tail)  # fmt: skip
 
     return direct_c
 
@@ -139,7 +165,7 @@ def bind(
         def run(*args):
             kernel[grid](*args, **consts, **cfg)
 
-        bound = Bound(spec.name, run, static, ())
+        bound = Bound(spec.name, bound_run(run, static, ()))
         bound.launch(tensors, runtime)
         return bound
     key = bound_key(spec, kernel, signature, tensors)
@@ -154,13 +180,13 @@ def bind(
     compiled, cfg = tune(spec, kernel, grid, args, consts)
     if not isinstance(compiled, triton.compiler.CompiledKernel):
         run = lambda *a: kernel[grid](*a, **consts, **cfg.all_kwargs())  # noqa: E731
-        return Bound(spec.name, with_descriptor_scratch(run, descriptors), static, ())
+        return Bound(spec.name, bound_run(with_descriptor_scratch(run, descriptors), static, ()))
     meta = {**consts, **cfg.kwargs}
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-    run = direct_launch(compiled, g, descriptors)
+    run = direct_launch(compiled, g, descriptors, static, tail)
     if run is None:
-        run = with_descriptor_scratch(compiled[g], descriptors)
-    bound = Bound(spec.name, run, static, tail)
+        run = bound_run(with_descriptor_scratch(compiled[g], descriptors), static, tail)
+    bound = Bound(spec.name, run)
     return keep_at_most(_BOUND, key, bound, BOUND_KEPT)

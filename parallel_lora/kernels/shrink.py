@@ -11,7 +11,7 @@ import triton.language as tl
 from .blocks import finish_tile, shrink_rows
 from .dropout_mask import mask_keys
 from .host import aligned_pieces, cdiv, dot_options, interpreting, next_pow2, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch, site_info
+from .launcher import Site, launch, site_buffers, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import G_COUNTERS, G_PARTIALS, stream_buffer
@@ -160,15 +160,18 @@ def lora_shrink(
         return out
     info = site_info(site, k_splits, M, K, dev)
     splits, k_per_split = info
-    ws = count = out  # never read without splits
-    if splits > 1:
-        ws = stream_buffer(G_PARTIALS, dev, splits * M * pad_rank(R), torch.float32, zeroed=False)
-        count = stream_buffer(G_COUNTERS, dev, cdiv(M, MIN_BLOCK_M), torch.int32, zeroed=True)
+    ws, count = site_buffers(site, dev, _split_buffers, dev, splits, M, R) if splits > 1 else (out, out)  # unread
     c = shrink_scale(scale, p, drop_pre or drop_post)
     runtime = (float(c), float(p), *seed_arg(seed, x), int(k_offset))
     launch(site, (x, u, out, ws, count), runtime, _describe, x, u, out, splits, k_per_split, drop_pre, drop_post,
            k_offset, info=info)  # fmt: skip
     return out
+
+
+def _split_buffers(device: torch.device, splits: int, M: int, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K launch's fp32 partials and row counters."""
+    return (stream_buffer(G_PARTIALS, device, splits * M * pad_rank(R), torch.float32, zeroed=False),
+            stream_buffer(G_COUNTERS, device, cdiv(M, MIN_BLOCK_M), torch.int32, zeroed=True))  # fmt: skip
 
 
 def _describe(x, u, out, splits: int, k_per_split: int, drop_pre: bool, drop_post: bool, k_offset: int) -> tuple:

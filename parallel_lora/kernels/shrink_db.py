@@ -11,7 +11,7 @@ import triton.language as tl
 from .blocks import as_operand, finish_tile
 from .dropout_mask import drop_tile, mask_keys
 from .host import aligned_pieces, cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch, site_info
+from .launcher import Site, launch, site_buffers, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
@@ -142,6 +142,13 @@ def _workspace(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return (*column_splits(M, N, device), db_blocks(M))
 
 
+def _buffers(device: torch.device, M: int, N: int, r_pad: int, splits: int, blocks: int) -> tuple:
+    """``(dB partials, G partials or None without splits, counters)``."""
+    pg = stream_buffer(G_PARTIALS, device, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else None
+    return (stream_buffer(DB_PARTIALS, device, blocks * N * r_pad, torch.float32, zeroed=False), pg,
+            stream_buffer(G_COUNTERS, device, blocks, torch.int32, zeroed=True))  # fmt: skip
+
+
 def lora_shrink_db(
     dy: torch.Tensor,
     lora_B: torch.Tensor,
@@ -162,9 +169,8 @@ def lora_shrink_db(
     g = torch.empty(M, R, device=dev, dtype=dy.dtype)
     info = site_info(site, _workspace, M, N, dev)
     splits, n_per_split, blocks = info
-    pdb = stream_buffer(DB_PARTIALS, dev, blocks * N * r_pad, torch.float32, zeroed=False)
-    pg = stream_buffer(G_PARTIALS, dev, splits * M * r_pad, torch.float32, zeroed=False) if splits > 1 else g
-    count = stream_buffer(G_COUNTERS, dev, blocks, torch.int32, zeroed=True)
+    pdb, pg, count = site_buffers(site, dev, _buffers, dev, M, N, r_pad, splits, blocks)
+    pg = g if pg is None else pg
     c = shrink_scale(scale, p, drop_post)
     tensors = (dy, lora_B, s_lora, g, pdb, pg, count)
     runtime = (float(c), float(p), *seed_arg(seed, dy))

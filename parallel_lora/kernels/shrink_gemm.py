@@ -12,7 +12,7 @@ from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch
+from .launcher import Site, launch, site_buffers
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
@@ -206,14 +206,18 @@ def lora_shrink_gemm(
     dev, dtype = x.device, x.dtype
     y = torch.empty(M, N, device=dev, dtype=dtype)
     s_lora = torch.empty(M, R, device=dev, dtype=dtype)
-    # Room for the flags of the smallest BLOCK_M (32 in the interpreter, 64 on GPU).
-    sync = stream_buffer(SYNC, dev, 3 + cdiv(M, 32), torch.int32, zeroed=True)
+    sync = site_buffers(site, dev, _sync, dev, M)
     c = shrink_scale(scale, p, drop_post)
     # A and B stand for the kernel's u = A^T and f = B^T: a launch reads their pointers, its bind their strides.
     tensors = (x, w, bias if bias is not None else y, lora_A, s_lora, lora_B, y, sync)
     runtime = (float(c), float(p), *seed_arg(seed, x))
     launch(site, tensors, runtime, _describe, x, w, w_nk, bias, lora_A, s_lora, lora_B, y, drop_post)
     return y, s_lora
+
+
+def _sync(device: torch.device, M: int) -> torch.Tensor:
+    """The launch's epoch, queue and row flags, for the smallest ``BLOCK_M`` (32 in the interpreter, 64 on GPU)."""
+    return stream_buffer(SYNC, device, 3 + cdiv(M, 32), torch.int32, zeroed=True)
 
 
 def _describe(x, w, w_nk: bool, bias, lora_A, s_lora, lora_B, y, drop_post: bool) -> tuple:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import types
 
 import pytest
 import torch
 
 from parallel_lora import kernels
 from parallel_lora._dropout import Dropout
-from parallel_lora.kernels import dispatch, launcher
+from parallel_lora.kernels import dispatch, launcher, workspace
 from parallel_lora.kernels.spec import KernelSpec
 from tests._kernels import (
     DROPOUTS,
@@ -245,17 +246,62 @@ def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspac
     # Below Triton 3.6's Python launcher: the C entry gets grid, stream, launch flags, the descriptor scratch of the
     # whole grid from the per-stream workspace, no profile scratch, then Triton's metadata and hooks and the args.
     # Another Triton keeps its own launcher, behind the scratch wrapper.
-    run, scratch, asked = _Launcher36(), torch.empty(8, dtype=torch.int8), []
+    run, scratch, asked, stream = _Launcher36(), torch.empty(8, dtype=torch.int8), [], [77]
     monkeypatch.setattr(launcher.triton, "__version__", version)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream[0], raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launcher, "descriptor_scratch", lambda *a: asked.append(a) or scratch)
-    direct = launcher.direct_launch(_compiled(run), (3, 2, 1), True)
+    direct = launcher.direct_launch(_compiled(run), (3, 2, 1), True, ("static",), ("tail",))
     if version == "3.8.0":
-        assert launcher.c_launch(run) is None and direct.__name__ == "run_with_scratch"
+        assert launcher.c_launch(run) is None and direct.__name__ == "go"
         return
-    direct(1, "x", 2.5)
+    direct((1, "x"), (2.5,))
+    direct((2, "y"), (3.5,))  # the same stream: its scratch is asked for once
     assert asked == [(3 * 2 * 128, 64, 77)]
-    assert run.calls == [(3, 2, 1, 77, "fn", False, True, scratch, None, "meta", None, None, None, 1, "x", 2.5)]
+    head = (3, 2, 1, 77, "fn", False, True, scratch, None, "meta", None, None, None)
+    assert run.calls == [(*head, 1, "x", "static", 2.5, "tail"), (*head, 2, "y", "static", 3.5, "tail")]
+    stream[0] = 78  # another stream: its own scratch
+    direct((3, "z"), (4.5,))
+    assert asked[1:] == [(3 * 2 * 128, 64, 78)] and run.calls[-1][3] == 78
     run.profile_scratch_size = 16  # a profiler's scratch: Triton's own path
     assert launcher.c_launch(run) is None
+
+
+def test_site_buffers_are_kept_per_stream(monkeypatch):
+    # A site makes its workspaces once per stream; without a site every call makes them.
+    stream, made = [5], []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0], raising=False)
+    device = types.SimpleNamespace(type="cuda", index=0)
+
+    def make(n):
+        made.append(n)
+        return ("buffers", n, stream[0])
+
+    site = launcher.Site()
+    assert launcher.site_buffers(site, device, make, 1) == ("buffers", 1, 5)
+    assert launcher.site_buffers(site, device, make, 1) == ("buffers", 1, 5) and made == [1]
+    stream[0] = 6
+    assert launcher.site_buffers(site, device, make, 1) == ("buffers", 1, 6) and made == [1, 1]
+    launcher.site_buffers(None, device, make, 2)
+    launcher.site_buffers(None, device, make, 2)
+    assert made == [1, 1, 2, 2]
+
+
+def test_dispatch_bound_sites_look_up_no_workspace(monkeypatch):
+    # After a layout's first calls, its launches reuse their sites' workspaces: no lookup, the same results.
+    x, weight, b, lora_A, lora_B, dy = make_inputs(40, 48, 56, 8, torch.float32, bias=True)
+    clear_sites()
+    looked, grown = [], workspace.grown
+    monkeypatch.setattr(workspace, "grown", lambda *args: looked.append(args[1]) or grown(*args))
+
+    def calls():
+        y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
+        return (y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None))
+
+    first = calls()
+    assert looked, "the first calls make their workspaces"
+    looked.clear()
+    again = calls()
+    assert looked == []
+    for a, b_ in zip(first, again, strict=True):
+        assert torch.equal(a, b_)
