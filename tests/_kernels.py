@@ -151,8 +151,7 @@ def clear_sites() -> None:
     """Forget every op layout's launch sites: the next calls take the first-call path again."""
     from parallel_lora.kernels import dispatch
 
-    dispatch._FORWARD_SITES.clear()
-    dispatch._BACKWARD_SITES.clear()
+    dispatch.clear_sites()
 
 
 # The keep-mask and uniforms as the kernels draw them, materialized by a tiny kernel of the kernels' own helpers.

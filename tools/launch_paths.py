@@ -44,11 +44,6 @@ DEVICE = "cuda"  # where every case runs (the tests run the flow on the CPU, in 
 SLOWER = 1.03  # the dispatch's path is reported as the slower one beyond this factor
 
 
-def _forget_layouts() -> None:
-    dispatch._FORWARD_SITES.clear()
-    dispatch._BACKWARD_SITES.clear()
-
-
 @contextlib.contextmanager
 def path(name: str | None) -> Iterator[None]:
     """Within: both passes take the ``name`` path (None: the dispatch's own choice); no layout's sites carry over."""
@@ -57,12 +52,12 @@ def path(name: str | None) -> Iterator[None]:
         fused = name == "fused"
         dispatch.spares_keep_pace = lambda *args: fused
         dispatch._dx_takes_fused = lambda *args: fused and dx_fused(*args)
-    _forget_layouts()
+    dispatch.clear_sites()
     try:
         yield
     finally:
         dispatch.spares_keep_pace, dispatch._dx_takes_fused = keeps, dx_fused
-        _forget_layouts()
+        dispatch.clear_sites()
 
 
 def takes(x, W, A, B, dy, s_lora) -> dict[str, str]:

@@ -172,6 +172,12 @@ _FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
 _BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
 
 
+def clear_sites() -> None:
+    """Forget every layout's launch sites (callers without a plan): the next calls check and choose again."""
+    _FORWARD_SITES.clear()
+    _BACKWARD_SITES.clear()
+
+
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """W as the TMA GEMM reads it for y (``w = W^T``, as ``gemm.lora_gemm`` is called)."""
     return tma_operand(weight.t())
