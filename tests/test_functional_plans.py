@@ -76,6 +76,23 @@ def test_a_plan_follows_the_parameters_mode_and_autocast():
         layer(x.double())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_parameter_view_of_the_same_storage_gets_its_own_plan(backend):
+    # Another view of a parameter's storage, at the same address: transposed strides, then another shape. A plan
+    # kept for the first view would read the second with the first's strides, or skip the check that refuses it.
+    layer = LoRALinear(16, 16, LoRAConfig(r=4, alpha=8, backend=backend))
+    nn.init.normal_(layer.lora_B.weight)
+    storage, x = torch.randn(16 * 16), torch.randn(6, 16)
+    layer.weight = nn.Parameter(storage.view(16, 16), requires_grad=False)
+    layer(x)
+    layer.weight = nn.Parameter(storage.view(16, 16).t(), requires_grad=False)
+    oracle = lora_linear(x, layer.weight, None, layer.lora_A.weight, layer.lora_B.weight, 2.0, backend="torch")
+    torch.testing.assert_close(layer(x), oracle)
+    layer.weight = nn.Parameter(storage[: 8 * 16].view(8, 16), requires_grad=False)
+    with pytest.raises(ValueError, match="lora_B must be"):
+        layer(x)
+
+
 def test_a_call_of_matching_dtypes_casts_nothing(monkeypatch):
     """A plan settles whether its calls cast: where every operand is already in its compute dtype, none is cast."""
     layer = _layer("triton")
