@@ -48,6 +48,7 @@ class Plan:
         self.mode = position if p > 0.0 else None
         self._mask_offset = k_offset if position == "pre" else 0
         self.input_comm, self.output_comm = input_comm, output_comm
+        self.config = None  # the layer config a kept plan was built for (``LoRALayer._call_plan``)
         self.fwd_entry = None
         self.bwd_entries: dict = {}
 

@@ -91,12 +91,19 @@ class LoRALayer(nn.Module):
         with torch.no_grad():
             local_tensor(self.lora_B.weight).zero_()
 
-    def _call_plan(self, x: torch.Tensor, key_tensors: tuple, build: Callable[[], Plan]) -> Plan:
-        """The kept plan of ``x``'s call signature (``key_tensors``: W, bias, A, B as stored), else ``build()``."""
+    def _call_plan(self, x: torch.Tensor, key_tensors: tuple, build: Callable[[], Plan], *more) -> Plan:
+        """The kept plan of ``x``'s call signature (``key_tensors``: W, bias, A, B as stored; ``more``), else
+        ``build()``."""
         if torch.compiler.is_compiling() or isinstance(x, DTensor) or x.is_meta or functorch_active():
             return build()
-        key = call_key(x, *key_tensors, self.training, id(self.config))
-        return self._plans.get(key) or self._plans.keep(key, build())
+        config = self.config
+        key = call_key(x, *key_tensors, self.training, id(config), *more)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build()
+            plan.config = config  # a kept plan holds the config its key names by id, so no other config takes the id
+            self._plans.keep(key, plan)
+        return plan
 
     def _make_plan(self, x, weight, bias, lora_A, lora_B, k_offset: int = 0, comms: tuple = (None, None)) -> Plan:
         c = self.config

@@ -93,6 +93,17 @@ def test_a_parameter_view_of_the_same_storage_gets_its_own_plan(backend):
         layer(x)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_replaced_config_gets_its_own_plan(backend):
+    # A freed config's id is soon another config's: a plan keyed on the id alone would keep the old scale.
+    layer, x = _layer(backend), torch.randn(6, 16)
+    for alpha in (8, 16, 32, 64, 128, 256):
+        layer.config = LoRAConfig(r=4, alpha=alpha, backend=backend)
+        A, B = layer.lora_A.weight, layer.lora_B.weight
+        oracle = lora_linear(x, layer.weight, None, A, B, alpha / 4, backend="torch")
+        torch.testing.assert_close(layer(x), oracle, atol=1e-4, rtol=1e-4)
+
+
 def test_a_call_of_matching_dtypes_casts_nothing(monkeypatch):
     """A plan settles whether its calls cast: where every operand is already in its compute dtype, none is cast."""
     layer = _layer("triton")

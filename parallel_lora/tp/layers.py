@@ -202,7 +202,8 @@ class _ParallelLoRALinear(LoRALayer):
         """The LoRA op on this rank's shards under the plan of ``x``'s signature (built and checked once)."""
         w_local, A, B = _local(self.weight), self.lora_A.weight, self.lora_B.weight
         key_tensors = (w_local, bias, A._local_tensor, B._local_tensor)
-        plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias))
+        sp = (self.sequence_parallel, self.sequence_dim)  # they set the plan's collectives
+        plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias), *sp)
         group = self._group()
         replicated = LAYOUTS[self.kind].replicated_factor
         reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)

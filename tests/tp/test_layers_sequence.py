@@ -127,3 +127,21 @@ def _two_d_input_is_sequence_first() -> None:
 
 def test_sequence_parallel_on_a_2d_input_shards_its_token_dim():
     _dist.run_ranks(2, _two_d_input_is_sequence_first)
+
+
+def _switching_sp_takes_effect() -> None:
+    """``sequence_parallel`` set on a layer that has run: the next call of the same input shape gathers (column) or
+    reduce-scatters (row), rather than reusing the plan of the plain call."""
+    mesh, tp = _dist.mesh(), dist.get_world_size()
+    col = ColumnParallelLoRALinear(K, H, tp_config(), mesh)
+    row = RowParallelLoRALinear(H, N, tp_config(), mesh)
+    x, h = torch.randn(BATCH, SEQ, K), torch.randn(BATCH, SEQ, H // tp)
+    assert col(x).shape == (BATCH, SEQ, H // tp) and row(h).shape == (BATCH, SEQ, N)
+    col.sequence_parallel = row.sequence_parallel = True
+    assert col(x).shape == (BATCH, SEQ * tp, H // tp) and row(h).shape == (BATCH, SEQ // tp, N)
+    col.sequence_dim = row.sequence_dim = 0
+    assert col(x).shape == (BATCH * tp, SEQ, H // tp) and row(h).shape == (BATCH // tp, SEQ, N)
+
+
+def test_switching_sequence_parallel_takes_effect_on_the_next_call():
+    _dist.run_ranks(2, _switching_sp_takes_effect)
