@@ -147,13 +147,6 @@ def patch_bind(monkeypatch, fn) -> None:
     monkeypatch.setattr(launcher, "bind", fn)
 
 
-def clear_sites() -> None:
-    """Forget every op layout's launch sites: the next calls take the first-call path again."""
-    from parallel_lora.kernels import dispatch
-
-    dispatch.clear_sites()
-
-
 # The keep-mask and uniforms as the kernels draw them, materialized by a tiny kernel of the kernels' own helpers.
 @triton.jit
 def uniform_tile(k_row, k_col, rows, cols):

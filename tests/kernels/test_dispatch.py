@@ -25,7 +25,6 @@ from tests._kernels import (
     TOL,
     assert_matches,
     check_against_eager,
-    clear_sites,
     count_launches,
     make_inputs,
     patch_bind,
@@ -96,14 +95,14 @@ def test_an_int_seed_drops_as_its_tensor_in_every_kernel(monkeypatch):
                 runs = []
                 for seed in (as_tensor.seed, int(as_tensor.seed), int(as_tensor.seed) + 1):
                     drop = dataclasses.replace(as_tensor, seed=seed)
-                    clear_sites()
+                    dispatch.clear_sites()
                     y, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
                     runs.append((y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)))
                 tensor_run, int_run, other_run = runs
                 for what, t, i in zip(("y", "S", "dx", "dA", "dB"), tensor_run, int_run, strict=True):
                     assert torch.equal(t, i), f"{name}, {dtype}, fused={fused}: {what}"
                 assert not torch.equal(tensor_run[1 if name == "post" else 3], other_run[1 if name == "post" else 3])
-    clear_sites()
+    dispatch.clear_sites()
     assert set(launched) == set(LAUNCH_NAMES), f"not every kernel ran: {sorted(set(LAUNCH_NAMES) - set(launched))}"
 
 

@@ -21,7 +21,6 @@ from tests._kernels import (
     TOL,
     assert_matches,
     check_against_eager,
-    clear_sites,
     count_launches,
     make_inputs,
     reference,
@@ -36,13 +35,13 @@ def test_forward_pre_dropout_keeps_the_separate_masked_shrink(monkeypatch):
     skip_without_tma()
     x, weight, b, lora_A, lora_B, _ = make_inputs(37, 64, 48, 8, torch.bfloat16)
     launched = count_launches(monkeypatch)
-    clear_sites()
+    dispatch.clear_sites()
     for mode, expected in (("pre", ["shrink", "gemm_tma"]), ("post", ["shrink_gemm"])):
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS[mode])  # binds (on GPU: tunes) the sites
         launched.clear()
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS[mode])
         assert launched == expected, mode
-    clear_sites()
+    dispatch.clear_sites()
 
 
 @pytest.mark.parametrize("r", [16, 32, 64])
@@ -53,7 +52,7 @@ def test_forward_fp32_adapters_above_r16_take_the_separate_launches(monkeypatch,
     x, weight, b, lora_A, lora_B, dy = make_inputs(37, 64, 48, r, torch.bfloat16)
     lora_A, lora_B = lora_A.float(), lora_B.float()
     launched = count_launches(monkeypatch)
-    clear_sites()
+    dispatch.clear_sites()
     kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)  # binds (on GPU: tunes) the sites
     launched.clear()
     kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
@@ -66,7 +65,7 @@ def test_forward_fp32_adapters_above_r16_take_the_separate_launches(monkeypatch,
     kernels.forward(x, weight, b, lora_A.bfloat16(), lora_B.bfloat16(), SCALE, None)
     kernels.forward(x, weight, b, lora_A.bfloat16(), lora_B.bfloat16(), SCALE, None)
     assert launched[-1] == "shrink_gemm", "bf16 adapters keep the fused forward at every rank up to 64"
-    clear_sites()
+    dispatch.clear_sites()
 
 
 def test_spares_keep_pace_from_4096_columns_or_in_one_wave():
@@ -99,12 +98,12 @@ def test_forward_takes_the_separate_launches_where_spares_fall_behind(monkeypatc
         x, weight, b, lora_A, lora_B, _ = make_inputs(M, 64, 48, 8, torch.bfloat16)
         if wide:
             lora_A, lora_B = lora_A.float(), lora_B.float()
-        clear_sites()
+        dispatch.clear_sites()
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)  # binds (on GPU: tunes) the sites
         launched.clear()
         kernels.forward(x, weight, b, lora_A, lora_B, SCALE, None)
         assert launched == expected, (M, wide)
-    clear_sites()
+    dispatch.clear_sites()
 
 
 @pytest.mark.parametrize("shape", [(37, 64, 48), (64, 96, 80)], ids=["spare_programs", "tiles_claim"])
@@ -121,7 +120,7 @@ def test_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop,
     x, weight, b, lora_A, lora_B, _ = make_inputs(M, K, N, 8, torch.bfloat16)
     dropout = DROPOUTS[drop]
     launched = count_launches(monkeypatch)
-    clear_sites()
+    dispatch.clear_sites()
     fused = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
     assert launched == ["shrink_gemm"]
     (sync,) = workspace.SYNC.values()
@@ -130,13 +129,13 @@ def test_shrink_gemm_equals_the_separate_launches_bit_for_bit(monkeypatch, drop,
     assert sync[0].item() == epoch + 1 and sync[1:3].tolist() == [0, 0]
     row_blocks = -(-M // shrink_gemm.SPEC.interp["BLOCK_M"])
     assert sync[3 : 3 + row_blocks].tolist() == [2 * epoch + 2] * row_blocks
-    clear_sites()
+    dispatch.clear_sites()
     monkeypatch.setattr(dispatch, "_y_takes_fused", lambda *args: False)
     separate = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
     assert launched[2:] == ["shrink", "gemm_tma"]
     for name, a, c, d in zip(("y", "S"), fused, again, separate, strict=True):
         assert torch.equal(a, c) and torch.equal(a, d), name
-    clear_sites()
+    dispatch.clear_sites()
 
 
 @pytest.mark.slow
@@ -153,7 +152,7 @@ def test_dx_grads_equals_the_separate_launches_bit_for_bit(monkeypatch, shape, d
     if not INTERPRETING:
         pytest.skip("the GPU tunes the two paths' tiles separately: the GPU tests compare them with fp64")
     monkeypatch.setattr(shrink_db, "MAX_DB_R_PAD", 0)
-    clear_sites()
+    dispatch.clear_sites()
     M, K, N = shape
     x, weight, b, lora_A, lora_B, dy = make_inputs(M, K, N, 8, torch.bfloat16)
     if M > 100:
@@ -164,7 +163,7 @@ def test_dx_grads_equals_the_separate_launches_bit_for_bit(monkeypatch, shape, d
     launched = count_launches(monkeypatch)
     fused = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched == ["shrink", "dx_grads"]
-    clear_sites()
+    dispatch.clear_sites()
     monkeypatch.setattr(dispatch, "_dx_takes_fused", lambda dy, weight: False)
     separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched[2:] == ["shrink", "gemm_tma", "adapter_grads"]
@@ -172,7 +171,7 @@ def test_dx_grads_equals_the_separate_launches_bit_for_bit(monkeypatch, shape, d
         assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), name
     for count in workspace.COUNTERS.values():
         assert not count.any(), "the queue or an arrival counter was left non-zero"
-    clear_sites()
+    dispatch.clear_sites()
 
 
 @pytest.mark.slow
@@ -194,12 +193,12 @@ def test_shrink_db_gives_g_and_db_partials_from_one_read_of_dy(monkeypatch, r, d
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, dropout)
     needs = {"needs_dA": "dA" in wanted, "needs_dB": True}
     launched = count_launches(monkeypatch)
-    clear_sites()
+    dispatch.clear_sites()
     one_read = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     again = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched == ["shrink_db", "dx_grads"] * 2
     monkeypatch.setattr(shrink_db, "MAX_DB_R_PAD", 0)
-    clear_sites()
+    dispatch.clear_sites()
     reduced = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, dropout, **needs)
     assert launched[4:] == ["shrink", "dx_grads"]
     ref = reference(x, weight, b, lora_A, lora_B, dy, SCALE, dropout)
@@ -214,7 +213,7 @@ def test_shrink_db_gives_g_and_db_partials_from_one_read_of_dy(monkeypatch, r, d
         assert_matches(name, a, ref[2 + i], mag[2 + i], torch.bfloat16)
     for count in (*workspace.COUNTERS.values(), *workspace.G_COUNTERS.values()):
         assert not count.any(), "a queue or an arrival counter was left non-zero"
-    clear_sites()
+    dispatch.clear_sites()
 
 
 @pytest.mark.parametrize("case", ["pre_dropout", "rank_above_max"])
@@ -227,10 +226,10 @@ def test_backward_pre_dropout_and_larger_ranks_reduce_db_from_dy(monkeypatch, ca
     x, weight, b, lora_A, lora_B, dy = make_inputs(40, 48, 56, r, torch.bfloat16)
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, drop)
     launched = count_launches(monkeypatch)
-    clear_sites()
+    dispatch.clear_sites()
     kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, drop)
     assert launched == ["shrink", "dx_grads"]
-    clear_sites()
+    dispatch.clear_sites()
 
 
 def test_shrink_db_taken_from_8192_tokens_at_ranks_up_to_32_while_small(monkeypatch):
@@ -300,7 +299,7 @@ def test_dx_grads_splits_long_reductions_into_short_items(monkeypatch):
     if not INTERPRETING:
         pytest.skip("the interpreter's split sizes; the GPU tests cover the GPU's")
     monkeypatch.setattr(dx_grads, "ITEM_ROWS", 32)
-    clear_sites()  # a site bound by an earlier test would skip the split
+    dispatch.clear_sites()  # a site bound by an earlier test would skip the split
     seen = []
     real_split = adapter_grads.split_rows  # through adapter_grads.partials_workspace
     monkeypatch.setattr(adapter_grads, "split_rows", lambda *a, **k: seen.append(real_split(*a, **k)) or seen[-1])
@@ -310,7 +309,7 @@ def test_dx_grads_splits_long_reductions_into_short_items(monkeypatch):
     fused = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
     assert seen == [(5, 32)]
     again = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
-    clear_sites()
+    dispatch.clear_sites()
     monkeypatch.setattr(dispatch, "_dx_takes_fused", lambda dy, weight: False)
     separate = kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, SCALE, None)
     for name, a, c, d in zip(("dx", "dA", "dB"), fused, again, separate, strict=True):
@@ -318,7 +317,7 @@ def test_dx_grads_splits_long_reductions_into_short_items(monkeypatch):
         torch.testing.assert_close(a.float(), d.float(), rtol=1e-2, atol=1e-2, msg=name)
     for count in workspace.COUNTERS.values():
         assert not count.any(), "the queue or an arrival counter was left non-zero"
-    clear_sites()
+    dispatch.clear_sites()
 
 
 def test_workspace_grown_keeps_the_buffer_it_replaces_alive():

@@ -15,7 +15,7 @@ import triton
 
 from parallel_lora import kernels
 from parallel_lora._dropout import Dropout, keep_mask, seed_tensor
-from parallel_lora.kernels import adapter_grads, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
+from parallel_lora.kernels import adapter_grads, dispatch, dx_grads, launcher, shrink_db, shrink_gemm, tuning, workspace
 from parallel_lora.kernels.spec import KernelSpec
 from tests._kernels import (
     DROPOUTS,
@@ -24,7 +24,6 @@ from tests._kernels import (
     SCALE,
     assert_matches,
     check_against_eager,
-    clear_sites,
     count_launches,
     dropout_keep_mask,
     gpu,
@@ -86,7 +85,7 @@ def test_gpu_backward_with_db_partials_matches_fp64_and_repeats_exactly(monkeypa
     skip_without_tma()
     torch.manual_seed(0)
     inputs = make_inputs(8229, 1024, 520, r, dtype, device="cuda")
-    clear_sites()
+    dispatch.clear_sites()
     check_against_eager(*inputs, SCALE, DROPOUTS[drop], tol=GPU_TOL[dtype])
     x, weight, b, lora_A, lora_B, dy = inputs
     _, s_lora = kernels.forward(x, weight, b, lora_A, lora_B, SCALE, DROPOUTS[drop])
@@ -145,7 +144,7 @@ def test_gpu_direct_launch_reuses_the_compiled_kernel_and_respects_alignment():
     x_off = storage[1:].view(520, 256)  # 2 bytes past a 16-byte boundary: no TMA, no alignment hint
     x_off.copy_(x)
     launcher._BOUND.clear()
-    clear_sites()  # the op's launch sites hold bound kernels too
+    dispatch.clear_sites()  # the op's launch sites hold bound kernels too
     for operand in (x, x, x_off, x_off, x):
         check_against_eager(operand, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])
     keys = list(launcher._BOUND)
@@ -166,7 +165,7 @@ def test_gpu_bound_launches_skip_tritons_wrapper_unless_a_launch_hook_is_set(mon
         if hooked:  # a profiler's hook must see every launch: Triton's own path then
             monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: seen.append(a))
         launcher._BOUND.clear()
-        clear_sites()
+        dispatch.clear_sites()
         made.clear()
         for _ in range(2):  # the first call binds, the second launches the bound kernels
             check_against_eager(x, weight, b, lora_A, lora_B, dy, SCALE, None, tol=GPU_TOL[torch.bfloat16])

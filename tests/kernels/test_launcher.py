@@ -24,7 +24,6 @@ from tests._kernels import (
     LAUNCH_NAMES,
     SCALE,
     assert_matches,
-    clear_sites,
     make_inputs,
     patch_bind,
     reference,
@@ -104,7 +103,7 @@ def test_dispatch_layout_fixes_the_signature_of_every_launch(monkeypatch):
     seen: dict[tuple, list] = {}
 
     def check(key, op, *args):
-        clear_sites()
+        dispatch.clear_sites()
         launched.clear()
         out = op(*args)
         assert seen.setdefault(key, list(launched)) == launched, key
@@ -133,7 +132,7 @@ def test_dispatch_bound_sites_give_the_first_calls_results_bit_for_bit(monkeypat
     # The second call of a layout launches the kernels bound at its first call (no wrapper signature, no
     # checks); it must compute exactly what the first did, with new values in the same layout, and a new
     # layout must not reuse another's sites.
-    clear_sites()
+    dispatch.clear_sites()
     slow = []
     real = launcher.bind
 
@@ -290,7 +289,7 @@ def test_site_buffers_are_kept_per_stream(monkeypatch):
 def test_dispatch_bound_sites_look_up_no_workspace(monkeypatch):
     # After a layout's first calls, its launches reuse their sites' workspaces: no lookup, the same results.
     x, weight, b, lora_A, lora_B, dy = make_inputs(40, 48, 56, 8, torch.float32, bias=True)
-    clear_sites()
+    dispatch.clear_sites()
     looked, grown = [], workspace.grown
     monkeypatch.setattr(workspace, "grown", lambda *args: looked.append(args[1]) or grown(*args))
 
