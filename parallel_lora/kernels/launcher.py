@@ -133,15 +133,18 @@ def direct_launch(
         return bound_run(with_descriptor_scratch(direct, descriptors), static, tail)
     coop, pdl, align = launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.global_scratch_align
     size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
-    kept = (None, None)  # the last stream and its descriptor scratch
+    kept = (None, None, None)  # the last stream, its descriptor scratch's address and the scratch
 
     def direct_c(tensors: tuple, runtime: tuple) -> None:
         nonlocal kept
         stream, last = stream_of(device), kept  # one read: another thread may replace it
         if last[0] != stream:
-            last = kept = (stream, descriptor_scratch(size, align, stream) if size else None)
-        entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None, *tensors, *static,
-              *runtime, *tail)  # fmt: skip
+            scratch = descriptor_scratch(size, align, stream) if size else None
+            last = kept = (stream, None if scratch is None else scratch.data_ptr(), scratch)
+        # Addresses, not tensors: the entry queries the driver about each tensor it is given (docs/kernels.md).
+        entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None,
+              *[t.data_ptr() for t in tensors], *static,
+              *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in runtime], *tail)  # fmt: skip
 
     return direct_c
 

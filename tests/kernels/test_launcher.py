@@ -254,13 +254,17 @@ def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspac
     if version == "3.8.0":
         assert launcher.c_launch(run) is None and direct.__name__ == "go"
         return
-    direct((1, "x"), (2.5,))
-    direct((2, "y"), (3.5,))  # the same stream: its scratch is asked for once
+    x, y, seed = torch.zeros(4), torch.zeros(2), torch.zeros(1, dtype=torch.int64)
+    direct((x, y), (2.5, seed, 0))
+    direct((y, x), (3.5, x, 7))  # the same stream: its scratch is asked for once
     assert asked == [(3 * 2 * 128, 64, 77)]
-    head = (3, 2, 1, 77, "fn", False, True, scratch, None, "meta", None, None, None)
-    assert run.calls == [(*head, 1, "x", "static", 2.5, "tail"), (*head, 2, "y", "static", 3.5, "tail")]
+    head = (3, 2, 1, 77, "fn", False, True, scratch.data_ptr(), None, "meta", None, None, None)
+    # tensors as their addresses: the scratch, the tensors and the runtime scalars alike
+    xp, yp, sp = x.data_ptr(), y.data_ptr(), seed.data_ptr()
+    assert run.calls == [(*head, xp, yp, "static", 2.5, sp, 0, "tail"), (*head, yp, xp, "static", 3.5, xp, 7, "tail")]
+    assert all(type(a) is not torch.Tensor for call in run.calls for a in call)
     stream[0] = 78  # another stream: its own scratch
-    direct((3, "z"), (4.5,))
+    direct((x,), (4.5,))
     assert asked[1:] == [(3 * 2 * 128, 64, 78)] and run.calls[-1][3] == 78
     run.profile_scratch_size = 16  # a profiler's scratch: Triton's own path
     assert launcher.c_launch(run) is None
