@@ -110,6 +110,16 @@ class LoRALayer(nn.Module):
         return make_plan(x, weight, bias, lora_A, lora_B, c.scale, c.backend, c.dropout, self.training,
                          c.dropout_position, k_offset, *comms)
 
+    def _stored(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``(W, bias, A, B)`` as stored; plain parameters are read from the module dicts (``nn.Module.__getattr__``
+        costs about a microsecond each), anything else (a parametrization) through ``getattr``."""
+        params, modules = self._parameters, self._modules
+        try:
+            A, B = modules["lora_A"]._parameters["weight"], modules["lora_B"]._parameters["weight"]
+            return params["weight"], params["bias"] if "bias" in params else self.bias, A, B
+        except KeyError:
+            return self.weight, self.bias, self.lora_A.weight, self.lora_B.weight
+
     def _check_unmerged(self, what: str) -> None:
         if self.merged:
             raise ValueError(f"{type(self).__name__}.{what}: unmerge_lora() first; the merged weight holds the update")
@@ -164,10 +174,9 @@ class LoRALinear(LoRALayer):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        weight, bias, A, B = self._stored()
         if self.merged or not self.adapter_enabled:
             return linear(x, weight, bias)
-        A, B = self.lora_A.weight, self.lora_B.weight
         plan = self._call_plan(x, (weight, bias, A, B), lambda: self._make_plan(x, weight, bias, A, B))
         seed = self._dropout_stream.next_seed(x) if plan.p else None
         return lora_apply(x, weight, bias, A, B, plan, seed)

@@ -93,6 +93,23 @@ def test_a_parameter_view_of_the_same_storage_gets_its_own_plan(backend):
         layer(x)
 
 
+class _Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+@pytest.mark.parametrize("owner", ["layer", "lora_A", "lora_B"])
+def test_a_parametrized_weight_is_read_through_its_parametrization(owner):
+    # The layer reads plain parameters from the module dicts; a parametrization takes them out of there.
+    layer, x = _layer("triton"), torch.randn(6, 16)
+    layer(x)
+    nn.utils.parametrize.register_parametrization(getattr(layer, owner) if owner != "layer" else layer, "weight",
+                                                  _Doubled())  # fmt: skip
+    A, B = layer.lora_A.weight, layer.lora_B.weight
+    oracle = lora_linear(x, layer.weight, None, A, B, 2.0, backend="torch")
+    torch.testing.assert_close(layer(x), oracle)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_replaced_config_gets_its_own_plan(backend):
     # A freed config's id is soon another config's: a plan keyed on the id alone would keep the old scale.

@@ -198,22 +198,24 @@ class _ParallelLoRALinear(LoRALayer):
         """The dim of ``x`` that SP shards: ``sequence_dim``, but 0 for a 2-D ``[tokens, hidden]`` input."""
         return 0 if x.dim() == 2 else self.sequence_dim
 
-    def _lora(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The LoRA op on this rank's shards under the plan of ``x``'s signature (built and checked once)."""
-        w_local, A, B = _local(self.weight), self.lora_A.weight, self.lora_B.weight
+    def _lora(self, x: torch.Tensor, weight, bias: torch.Tensor | None, A, B) -> torch.Tensor:
+        """The LoRA op on this rank's shards (``bias`` local, the rest as stored) under the plan of ``x``'s call
+        signature (built and checked once)."""
+        w_local = _local(weight)
         key_tensors = (w_local, bias, A._local_tensor, B._local_tensor)
         sp = (self.sequence_parallel, self.sequence_dim)  # they set the plan's collectives
-        plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias), *sp)
+        plan = self._call_plan(x, key_tensors, lambda: self._plan(x, w_local, bias, A, B), *sp)
         group = self._group()
         replicated = LAYOUTS[self.kind].replicated_factor
-        reduce = self._deferred_grad.reduces_in_graph(getattr(self, replicated).weight, self.grad_sync, group)
+        factor = A if replicated == "lora_A" else B
+        reduce = self._deferred_grad.reduces_in_graph(factor, self.grad_sync, group)
         a_local, b_local = adapter_shards(A, B, replicated, group, reduce)
         seed = self._dropout_stream.next_seed(x) if plan.p else None
         return lora_apply(x, w_local, bias, a_local, b_local, plan, seed)
 
-    def _plan(self, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None) -> Plan:
+    def _plan(self, x: torch.Tensor, w_local: torch.Tensor, bias: torch.Tensor | None, A, B) -> Plan:
         self._check_call(x)
-        a_local, b_local = self.lora_A.weight._local_tensor, self.lora_B.weight._local_tensor
+        a_local, b_local = A._local_tensor, B._local_tensor
         return self._make_plan(x, w_local, bias, a_local, b_local, self._k_offset(), self._comms(x, self._group()))
 
     def extra_repr(self) -> str:
@@ -241,11 +243,12 @@ class ColumnParallelLoRALinear(_ParallelLoRALinear):
         return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else _local(self.bias)
+        weight, bias, A, B = self._stored()
+        bias = None if bias is None else _local(bias)
         if self.adapter_enabled and not self.merged:
-            return self._lora(x, bias)
+            return self._lora(x, weight, bias, A, B)
         self._check_call(x)
-        w_local = _local(self.weight)
+        w_local = _local(weight)
         dtype = compute_dtype(x, w_local)
         x = input_comm(cast_to(x, dtype), self._comms(x, self._group())[0])
         return nn.functional.linear(x, cast_to(w_local, dtype), cast_to(bias, dtype))
@@ -277,16 +280,17 @@ class RowParallelLoRALinear(_ParallelLoRALinear):
         return self.mesh.get_local_rank() * (self.in_features // self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias, A, B = self._stored()
         if self.adapter_enabled and not self.merged:
-            y = self._lora(x, None)
+            y = self._lora(x, weight, None, A, B)
         else:
             self._check_call(x)
-            w_local = _local(self.weight)
+            w_local = _local(weight)
             dtype = compute_dtype(x, w_local)
             y = nn.functional.linear(cast_to(x, dtype), cast_to(w_local, dtype))
             y = output_comm(y, self._comms(x, self._group())[1])
-        if self.bias is not None:
-            y = y + cast_to(_local(self.bias), y.dtype)
+        if bias is not None:
+            y = y + cast_to(_local(bias), y.dtype)
         return y
 
 
