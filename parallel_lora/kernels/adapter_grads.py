@@ -118,17 +118,16 @@ Problem = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (feat, g, out) of o
 
 def grad_problems(
     x: torch.Tensor | None, g: torch.Tensor | None, dy: torch.Tensor | None, s_lora: torch.Tensor | None,
-    out_dtype: torch.dtype | None = None,
+    like: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, Problem, Problem]:
-    """``(dA | None, dB | None, problem a, problem b)`` with fresh outputs; a gradient not wanted (its two tensors
-    ``None``) borrows the other's tensors and gets no columns."""
+    """``(dA | None, dB | None, problem a, problem b)`` with fresh outputs in ``like``'s dtype (None: the features');
+    a gradient not wanted (its two tensors ``None``) borrows the other's tensors and gets no columns."""
     want_a, want_b = x is not None, dy is not None
     feat_a, g_a = (x, g) if want_a else (dy, s_lora)
     feat_b, g_b = (dy, s_lora) if want_b else (x, g)
-    R = g_a.shape[1]
-    dev, dtype = feat_a.device, out_dtype or feat_a.dtype
-    dA = torch.empty(R, feat_a.shape[1], device=dev, dtype=dtype) if want_a else None
-    dB = torch.empty(feat_b.shape[1], R, device=dev, dtype=dtype) if want_b else None
+    R, like = g_a.shape[1], feat_a if like is None else like
+    dA = like.new_empty(R, feat_a.shape[1]) if want_a else None
+    dB = like.new_empty(feat_b.shape[1], R) if want_b else None
     return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
 
 
@@ -142,13 +141,14 @@ def lora_adapter_grads(
     seed: torch.Tensor | int | None = None,
     f_offset: int = 0,
     drop_x: bool = False,
-    out_dtype: torch.dtype | None = None,
+    like: torch.Tensor | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dA [r, K], dB [N, r])`` in ``out_dtype``: ``dA = c * G^T drop(x)`` (``c = 1/(1-p)`` with ``drop_x``, the "pre"
-    mask at columns ``f_offset + k``), ``dB = dy^T S``; ``None`` in, ``None`` out; ``M == 0`` gives zeros."""
+    """``(dA [r, K], dB [N, r])`` in ``like``'s dtype (None: x's or dy's): ``dA = c * G^T drop(x)`` (``c = 1/(1-p)``
+    with ``drop_x``, the "pre" mask at columns ``f_offset + k``), ``dB = dy^T S``; ``None`` in, ``None`` out;
+    ``M == 0`` gives zeros."""
     want_a, want_b = x is not None, dy is not None
-    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora, out_dtype)
+    dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = grad_problems(x, g, dy, s_lora, like)
     M, R = g_a.shape
     F_A, F_B = out_a.shape[1] if want_a else 0, out_b.shape[0] if want_b else 0
     dev = feat_a.device

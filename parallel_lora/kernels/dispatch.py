@@ -293,7 +293,7 @@ def run_backward(
         dx, dA, dB = lora_dx_and_grads(
             dy, weight.t() if w_nk else weight, w_nk, g, lora_A, x if needs_dA else None,
             s_lora if needs_dB and not db_in_g else None, lora_drop=pre, k_offset=k_offset, db_partials=pdb,
-            db_parts=blocks, out_dtype=lora_A.dtype, **drop_kw, site=site_dx,
+            db_parts=blocks, like=lora_A, **drop_kw, site=site_dx,
         )
         return dx, dA, dB
     # dx before the adapter grads: the GPU runs the long GEMM while the host issues them (docs/kernels.md)
@@ -302,7 +302,7 @@ def run_backward(
     if needs_dA or needs_dB:
         dA, dB = lora_adapter_grads(
             x if needs_dA else None, g if needs_dA else None, dy if needs_dB else None,
-            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, out_dtype=lora_A.dtype, **drop_kw,
+            s_lora if needs_dB else None, drop_x=pre, f_offset=k_offset, like=lora_A, **drop_kw,
             site=site_ab,
         )
     return dx, dA, dB

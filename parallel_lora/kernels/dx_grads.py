@@ -157,27 +157,28 @@ def lora_dx_and_grads(
     lora_drop: bool = False,
     db_partials: torch.Tensor | None = None,
     db_parts: int = 0,
-    out_dtype: torch.dtype | None = None,
+    like: torch.Tensor | None = None,
     site: Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dA, dB)``: ``dx [M, K] = dy @ W + drop(G @ A)``, ``dA = c * G^T drop(x)`` if ``x`` is given,
-    ``dB = dy^T S`` if ``s_lora`` is given, or the sum of ``shrink_db``'s ``db_partials``; dA, dB in ``out_dtype``.
-    ``w`` as ``gemm_tma.tma_operand`` gives W; ``drop``: the "pre" mask of columns ``k_offset + k``, ``c = 1/(1-p)``."""
+    ``dB = dy^T S`` if ``s_lora`` is given, or the sum of ``shrink_db``'s ``db_partials``; dA, dB in ``like``'s dtype
+    (None: dy's). ``w`` as ``gemm_tma.tma_operand`` gives W; ``drop``: the "pre" mask of columns ``k_offset + k``,
+    ``c = 1/(1-p)``."""
     M, N = dy.shape
     K, R = lora_A.shape[1], g.shape[1]
     want_a, want_b = x is not None, s_lora is not None
     sums = db_partials is not None
-    dev, dtype = dy.device, dy.dtype
-    dx = torch.empty(M, K, device=dev, dtype=dtype)
+    dev = dy.device
+    dx = dy.new_empty(M, K)
     if want_a or want_b:
-        problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, out_dtype)
+        problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, like)
     else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G, G) for their pointers
         problems = None, None, (dy, g, g), (dy, g, g)
     dA, dB, (feat_a, g_a, out_a), (feat_b, g_b, out_b) = problems
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:
-        dB = torch.empty(N, R, device=dev, dtype=out_dtype or dtype)
+        dB = (dy if like is None else like).new_empty(N, R)
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info

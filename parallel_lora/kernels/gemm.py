@@ -172,7 +172,7 @@ def lora_gemm(
     ``drop`` (with ``lora_drop``): the "pre" mask of columns ``n_offset + n``, times ``1/(1-p)``."""
     M = x.shape[0]
     N_out = w.shape[1]
-    out = torch.empty(M, N_out, device=x.device, dtype=x.dtype)
+    out = x.new_empty(M, N_out)
     if M == 0 or N_out == 0:
         return out
     # The TMA kernel may read w as w.t(): the same address, and a launch reads only addresses.

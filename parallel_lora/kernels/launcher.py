@@ -109,11 +109,12 @@ def c_launch(launcher: object) -> Callable | None:
 
 
 def direct_launch(
-    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple
+    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple,
+    runtime: tuple,
 ) -> Callable[[tuple, tuple], None] | None:
     """``Bound.run`` of ``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups (with the
     descriptor scratch from ``workspace``, and below Triton 3.6's Python launcher where ``c_launch`` finds it); None
-    under launch hooks."""
+    under launch hooks. ``runtime``: the first launch's, whose tensors' positions every later launch keeps."""
     knobs, packed = getattr(triton, "knobs", None), getattr(compiled, "packed_metadata", None)
     if knobs is None or packed is None:  # a Triton without this launcher contract: its own path
         return None
@@ -134,6 +135,9 @@ def direct_launch(
     coop, pdl, align = launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.global_scratch_align
     size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
     kept = (None, None, None)  # the last stream, its descriptor scratch's address and the scratch
+    data_ptr = torch.Tensor.data_ptr
+    # Every launcher's runtime is (c, p, seed tensor, salt, *ints) (``host.seed_arg``): one address to take.
+    seed_only = [i for i, a in enumerate(runtime) if isinstance(a, torch.Tensor)] == [2]
 
     def direct_c(tensors: tuple, runtime: tuple) -> None:
         nonlocal kept
@@ -142,9 +146,10 @@ def direct_launch(
             scratch = descriptor_scratch(size, align, stream) if size else None
             last = kept = (stream, None if scratch is None else scratch.data_ptr(), scratch)
         # Addresses, not tensors: the entry queries the driver about each tensor it is given (docs/kernels.md).
+        scalars = ((runtime[0], runtime[1], runtime[2].data_ptr(), *runtime[3:]) if seed_only
+                   else [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in runtime])  # fmt: skip
         entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None,
-              *[t.data_ptr() for t in tensors], *static,
-              *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in runtime], *tail)  # fmt: skip
+              *map(data_ptr, tensors), *static, *scalars, *tail)  # fmt: skip
 
     return direct_c
 
@@ -188,7 +193,7 @@ def bind(
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-    run = direct_launch(compiled, g, descriptors, static, tail)
+    run = direct_launch(compiled, g, descriptors, static, tail, runtime)
     if run is None:
         run = bound_run(with_descriptor_scratch(compiled[g], descriptors), static, tail)
     bound = Bound(spec.name, run)

@@ -155,7 +155,7 @@ def lora_shrink(
     M, K = x.shape
     R = u.shape[1]
     dev = x.device
-    out = torch.empty(M, R, device=dev, dtype=x.dtype)
+    out = x.new_empty(M, R)
     if M == 0:
         return out
     info = site_info(site, k_splits, M, K, dev)

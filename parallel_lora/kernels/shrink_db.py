@@ -166,7 +166,7 @@ def lora_shrink_db(
     R = lora_B.shape[1]
     r_pad = pad_rank(R)
     dev = dy.device
-    g = torch.empty(M, R, device=dev, dtype=dy.dtype)
+    g = dy.new_empty(M, R)
     info = site_info(site, _workspace, M, N, dev)
     splits, n_per_split, blocks = info
     pdb, pg, count = site_buffers(site, dev, _buffers, dev, M, N, r_pad, splits, blocks)

@@ -203,9 +203,8 @@ def lora_shrink_gemm(
     (``A [r, K]``, ``B [N, r]``, ``w`` as ``gemm_tma.tma_operand`` gives W^T) for ``pad_rank(r) <= MAX_FUSED_R_PAD``."""
     M = x.shape[0]
     N, R = lora_B.shape
-    dev, dtype = x.device, x.dtype
-    y = torch.empty(M, N, device=dev, dtype=dtype)
-    s_lora = torch.empty(M, R, device=dev, dtype=dtype)
+    dev = x.device
+    y, s_lora = x.new_empty(M, N), x.new_empty(M, R)
     sync = site_buffers(site, dev, _sync, dev, M)
     c = shrink_scale(scale, p, drop_post)
     # A and B stand for the kernel's u = A^T and f = B^T: a launch reads their pointers, its bind their strides.
