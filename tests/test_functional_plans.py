@@ -193,9 +193,9 @@ def test_bound_signatures_are_capped(monkeypatch):
     monkeypatch.setattr(launcher.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launcher.triton.compiler, "CompiledKernel", Compiled)
     monkeypatch.setattr(launcher, "launch_tuned", lambda *args: (Compiled(), triton.Config({})))
-    x = torch.zeros(4)
+    x, runtime = torch.zeros(4), (1.0, 0.0, torch.zeros(1, dtype=torch.int64), 0)
     for m in range(10):
-        launcher.bind(spec, kernel, ("signature", m), (x,), (), lambda: ((), (1,), {}))
+        launcher.bind(spec, kernel, ("signature", m), (x,), runtime, lambda: ((), (1,), {}))
     assert len(launcher._BOUND) == 4
     assert [key[3] for key in launcher._BOUND] == [("signature", m) for m in range(6, 10)], "the oldest go first"
 

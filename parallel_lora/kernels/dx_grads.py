@@ -168,7 +168,7 @@ def lora_dx_and_grads(
     K, R = lora_A.shape[1], g.shape[1]
     want_a, want_b = x is not None, s_lora is not None
     sums = db_partials is not None
-    dev = dy.device
+    dev, like = dy.device, dy if like is None else like
     dx = dy.new_empty(M, K)
     if want_a or want_b:
         problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, like)
@@ -178,7 +178,7 @@ def lora_dx_and_grads(
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:
-        dB = (dy if like is None else like).new_empty(N, R)
+        dB = like.new_empty(N, R)
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info

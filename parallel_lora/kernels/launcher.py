@@ -109,12 +109,11 @@ def c_launch(launcher: object) -> Callable | None:
 
 
 def direct_launch(
-    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple,
-    runtime: tuple,
+    compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple
 ) -> Callable[[tuple, tuple], None] | None:
     """``Bound.run`` of ``compiled`` at grid ``g`` on the current stream, without ``compiled[g]``'s lookups (with the
     descriptor scratch from ``workspace``, and below Triton 3.6's Python launcher where ``c_launch`` finds it); None
-    under launch hooks. ``runtime``: the first launch's, whose tensors' positions every later launch keeps."""
+    under launch hooks. Its runtime scalars are laid out as ``check_runtime`` asks."""
     knobs, packed = getattr(triton, "knobs", None), getattr(compiled, "packed_metadata", None)
     if knobs is None or packed is None:  # a Triton without this launcher contract: its own path
         return None
@@ -136,8 +135,6 @@ def direct_launch(
     size = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
     kept = (None, None, None)  # the last stream, its descriptor scratch's address and the scratch
     data_ptr = torch.Tensor.data_ptr
-    # Every launcher's runtime is (c, p, seed tensor, salt, *ints) (``host.seed_arg``): one address to take.
-    seed_only = [i for i, a in enumerate(runtime) if isinstance(a, torch.Tensor)] == [2]
 
     def direct_c(tensors: tuple, runtime: tuple) -> None:
         nonlocal kept
@@ -146,10 +143,8 @@ def direct_launch(
             scratch = descriptor_scratch(size, align, stream) if size else None
             last = kept = (stream, None if scratch is None else scratch.data_ptr(), scratch)
         # Addresses, not tensors: the entry queries the driver about each tensor it is given (docs/kernels.md).
-        scalars = ((runtime[0], runtime[1], runtime[2].data_ptr(), *runtime[3:]) if seed_only
-                   else [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in runtime])  # fmt: skip
         entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None,
-              *map(data_ptr, tensors), *static, *scalars, *tail)  # fmt: skip
+              *map(data_ptr, tensors), *static, runtime[0], runtime[1], runtime[2].data_ptr(), *runtime[3:], *tail)
 
     return direct_c
 
@@ -160,12 +155,20 @@ def bound_key(spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: 
             tuple([t.data_ptr() % 16 == 0 for t in tensors]))
 
 
+def check_runtime(runtime: tuple) -> None:
+    """Refuse runtime scalars not laid out as every launcher passes them: ``(c, p, seed tensor, salt, *ints)``."""
+    if len(runtime) < 4 or [isinstance(a, torch.Tensor) for a in runtime] != [i == 2 for i in range(len(runtime))]:
+        kinds = ", ".join(type(a).__name__ for a in runtime)
+        raise TypeError(f"a launch's runtime must be (c, p, seed tensor, salt, *ints) (host.seed_arg), got ({kinds})")
+
+
 def bind(
     spec: KernelSpec, kernel: JITFunction, signature: tuple, tensors: tuple, runtime: tuple, build: Callable[[], tuple]
 ) -> Bound:
     """Launch ``kernel`` for ``signature`` and return the ``Bound`` that launches it again.
 
     ``build() -> (static, grid, consts)`` runs at a signature's first launch; equal signatures must build alike."""
+    check_runtime(runtime)
     if interpreting():
         static, grid, consts = build()
         cfg = spec.interp
@@ -193,7 +196,7 @@ def bind(
     tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
     g = grid(meta) if callable(grid) else grid
     g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-    run = direct_launch(compiled, g, descriptors, static, tail, runtime)
+    run = direct_launch(compiled, g, descriptors, static, tail)
     if run is None:
         run = bound_run(with_descriptor_scratch(compiled[g], descriptors), static, tail)
     bound = Bound(spec.name, run)

@@ -241,20 +241,19 @@ def _compiled(run) -> object:
 
 
 @pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
-@pytest.mark.parametrize("layout", ["launchers", "any"])
-def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspace(version, layout, monkeypatch):
+def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspace(version, monkeypatch):
     # Below Triton 3.6's Python launcher: the C entry gets grid, stream, launch flags, the descriptor scratch of the
     # whole grid from the per-stream workspace, no profile scratch, then Triton's metadata and hooks and the args.
     # Another Triton keeps its own launcher, behind the scratch wrapper. Runtime scalars come as every launcher
-    # passes them, (c, p, seed tensor, salt, *ints), or with tensors anywhere.
+    # passes them, (c, p, seed tensor, salt, *ints).
     run, scratch, asked, stream = _Launcher36(), torch.empty(8, dtype=torch.int8), [], [77]
     monkeypatch.setattr(launcher.triton, "__version__", version)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream[0], raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launcher, "descriptor_scratch", lambda *a: asked.append(a) or scratch)
     x, y, seed = torch.zeros(4), torch.zeros(2), torch.zeros(1, dtype=torch.int64)
-    first, second = ((2.5, 0.1, seed, 9, 0), (3.5, 0.2, x, 7, 1)) if layout == "launchers" else ((seed, 0), (3.5, x))
-    direct = launcher.direct_launch(_compiled(run), (3, 2, 1), True, ("static",), ("tail",), first)
+    first, second = (2.5, 0.1, seed, 9, 0), (3.5, 0.2, x, 7, 1)
+    direct = launcher.direct_launch(_compiled(run), (3, 2, 1), True, ("static",), ("tail",))
     if version == "3.8.0":
         assert launcher.c_launch(run) is None and direct.__name__ == "go"
         return
@@ -264,11 +263,8 @@ def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspac
     head = (3, 2, 1, 77, "fn", False, True, scratch.data_ptr(), None, "meta", None, None, None)
     # tensors as their addresses: the scratch, the tensors and the runtime scalars alike
     xp, yp, sp = x.data_ptr(), y.data_ptr(), seed.data_ptr()
-    if layout == "launchers":
-        want = [(*head, xp, yp, "static", 2.5, 0.1, sp, 9, 0, "tail"),
-                (*head, yp, xp, "static", 3.5, 0.2, xp, 7, 1, "tail")]  # fmt: skip
-    else:
-        want = [(*head, xp, yp, "static", sp, 0, "tail"), (*head, yp, xp, "static", 3.5, xp, "tail")]
+    want = [(*head, xp, yp, "static", 2.5, 0.1, sp, 9, 0, "tail"),
+            (*head, yp, xp, "static", 3.5, 0.2, xp, 7, 1, "tail")]  # fmt: skip
     assert run.calls == want
     assert all(type(a) is not torch.Tensor for call in run.calls for a in call)
     stream[0] = 78  # another stream: its own scratch
@@ -276,6 +272,15 @@ def test_bound_launch_under_triton_36_calls_its_c_entry_with_the_stream_workspac
     assert asked[1:] == [(3 * 2 * 128, 64, 78)] and run.calls[-1][3] == 78
     run.profile_scratch_size = 16  # a profiler's scratch: Triton's own path
     assert launcher.c_launch(run) is None
+
+
+@pytest.mark.parametrize("runtime", [(2.5, 0.1, 9, 0), (2.5, "seed", 0.1, 9), (2.5, 0.1, "seed", 9, "x"), (2.5,)])
+def test_bind_refuses_a_runtime_not_laid_out_as_every_launchers(runtime):
+    # A bound launch takes the address at index 2 alone: bind refuses any other layout before building anything.
+    seed = torch.zeros(1, dtype=torch.int64)
+    runtime = tuple(seed if a == "seed" else torch.zeros(2) if a == "x" else a for a in runtime)
+    with pytest.raises(TypeError, match=r"runtime must be \(c, p, seed tensor, salt, \*ints\)"):
+        launcher.bind(None, None, (), (), runtime, lambda: pytest.fail("built"))
 
 
 def test_site_buffers_are_kept_per_stream(monkeypatch):
