@@ -11,7 +11,7 @@ class BuildPy(build_py):
 
 TRAIN = ["tqdm", "matplotlib", "pyyaml"]  # the main job's progress bar, loss plot, --config and config.yaml
 HF = ["transformers>=4.56", "tokenizers"]  # parallel_lora.hf: Hugging Face checkpoints and their TP plans
-TEST = ["pytest>=8", "numpy", "peft>=0.13"]
+TEST = ["pytest>=8", "pytest-xdist>=3", "numpy", "peft>=0.13"]  # -n 2: two test workers
 
 setup(
     name="parallel_lora",
