@@ -12,6 +12,7 @@ from ._dropout import Dropout, check_dropout, check_seed, draw_seed, seed_tensor
 from ._dtypes import autocast_off, cast_to, compute_dtype
 from .kernels.host import interpreting, keep_at_most
 from .kernels.ops import dispatch_module
+from .kernels.program import Programs
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -49,7 +50,8 @@ class Plan:
         self._mask_offset = k_offset if position == "pre" else 0
         self.input_comm, self.output_comm = input_comm, output_comm
         self.config = None  # the layer config a kept plan was built for (``LoRALayer._call_plan``)
-        self.fwd_entry = None
+        self.fwd_entry = None  # the forward's launch sites, then its recorded programs (kernels/program.py)
+        self.fwd_programs = Programs()
         self.bwd_entries: dict = {}
 
     def _dropout(self, seed: torch.Tensor | int | None) -> Dropout | None:
@@ -65,12 +67,19 @@ class Plan:
         if torch.compiler.is_compiling():
             return torch.ops.parallel_lora.lora_forward(x, weight, bias, lora_A, lora_B, *self._op_scalars(seed))
         kernels, entry, mode = dispatch_module(), self.fwd_entry, self.mode
-        if entry is None:
+        first = entry is None
+        if first:
             entry = kernels.forward_entry(x, weight, bias, lora_A, lora_B, mode)
-        out = kernels.run_forward(entry, x, weight, bias, lora_A, lora_B, self.scale, self.p, seed, mode,
-                                  self._mask_offset)
-        self.fwd_entry = entry  # kept only once run_forward has filled its sites
-        return out
+
+        def call():
+            return kernels.run_forward(entry, x, weight, bias, lora_A, lora_B, self.scale, self.p, seed, mode,
+                                       self._mask_offset)
+
+        if first:
+            out = call()
+            self.fwd_entry = entry  # kept only once run_forward has filled its sites
+            return out
+        return self.fwd_programs.run(call, (x, weight, bias, lora_A, lora_B), seed)
 
     def backward(self, dy, x, weight, lora_A, lora_B, s_lora, seed, needs: tuple[bool, bool, bool]) -> tuple:
         """``dy [M, N]`` and the forward's operands -> ``(dx, dA, dB)``, ``None`` where not wanted."""
@@ -82,14 +91,19 @@ class Plan:
             return tuple(g if needed else None for g, needed in zip(grads, needs, strict=True))
         kernels, mode = dispatch_module(), self.mode
         key = (dy.stride(), dy.data_ptr() & 15, needs)
-        entry = self.bwd_entries.get(key)
-        if entry is None:
-            entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs)
-        grads = kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
-                                     self._mask_offset, *needs)
-        if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
-            self.bwd_entries[key] = entry
-        return grads
+        kept = self.bwd_entries.get(key)
+        entry = kernels.backward_entry(dy, x, weight, lora_A, lora_B, s_lora, mode, *needs) if kept is None else kept[0]
+
+        def call():
+            return kernels.run_backward(entry, dy, x, weight, lora_A, lora_B, s_lora, self.scale, self.p, seed, mode,
+                                        self._mask_offset, *needs)
+
+        if kept is None:
+            grads = call()
+            if len(self.bwd_entries) < 8:  # a layer's dy comes in one or two layouts
+                self.bwd_entries[key] = (entry, Programs())
+            return grads
+        return kept[1].run(call, (dy, x, weight, lora_A, lora_B, s_lora), seed)
 
 
 class Plans(dict):

@@ -12,7 +12,7 @@ from .blocks import reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import tma_rows
 from .host import aligned_pieces, cdiv, dot_options, interpreting, keep_scale, next_pow2, pad_rank, seed_arg
-from .launcher import Site, launch, site_buffers, site_info
+from .launcher import Site, launch, output, site_buffers, site_info
 from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, PARTIALS, stream_buffer
@@ -126,8 +126,8 @@ def grad_problems(
     feat_a, g_a = (x, g) if want_a else (dy, s_lora)
     feat_b, g_b = (dy, s_lora) if want_b else (x, g)
     R, like = g_a.shape[1], feat_a if like is None else like
-    dA = like.new_empty(R, feat_a.shape[1]) if want_a else None
-    dB = like.new_empty(feat_b.shape[1], R) if want_b else None
+    dA = output(like, R, feat_a.shape[1]) if want_a else None
+    dB = output(like, feat_b.shape[1], R) if want_b else None
     return dA, dB, (feat_a, g_a, dA if want_a else dB), (feat_b, g_b, dB if want_b else dA)
 
 

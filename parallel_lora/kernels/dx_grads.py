@@ -13,7 +13,7 @@ from .blocks import gemm_tiles, reduce_item
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, rank_tma, tma_configs_with, tma_rows, tma_smem
 from .host import dot_options, interpreting, keep_scale, pad_rank, seed_arg
-from .launcher import Site, launch, site_buffers, site_info
+from .launcher import Site, launch, output, site_buffers, site_info
 from .spec import KernelSpec
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import COUNTERS, stream_buffer
@@ -169,7 +169,7 @@ def lora_dx_and_grads(
     want_a, want_b = x is not None, s_lora is not None
     sums = db_partials is not None
     dev, like = dy.device, dy if like is None else like
-    dx = dy.new_empty(M, K)
+    dx = output(dy, M, K)
     if want_a or want_b:
         problems = grad_problems(x, g if want_a else None, dy if want_b else None, s_lora, like)
     else:  # dB from its partials alone: the reductions get no columns and borrow (dy, G, G) for their pointers
@@ -178,7 +178,7 @@ def lora_dx_and_grads(
     F_A = K if want_a else 0
     F_B = N if want_b else 0
     if sums:
-        dB = like.new_empty(N, R)
+        dB = output(like, N, R)
     pdb = db_partials if sums else out_a
     info = site_info(site, partials_workspace, M, F_A + F_B, R, dev, ITEM_ROWS)
     split, m_per_split, partials = info

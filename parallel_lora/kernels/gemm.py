@@ -12,7 +12,7 @@ from .blocks import as_operand
 from .dropout_mask import drop_tile, mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, describe_tma_gemm, gemm_fits, gemm_work, tma_compatible, tma_operand
 from .host import cdiv, dot_options, keep_scale, pad_rank, seed_arg
-from .launcher import Site, launch
+from .launcher import Site, launch, output
 from .spec import KernelSpec, adapter_bytes
 
 
@@ -172,7 +172,7 @@ def lora_gemm(
     ``drop`` (with ``lora_drop``): the "pre" mask of columns ``n_offset + n``, times ``1/(1-p)``."""
     M = x.shape[0]
     N_out = w.shape[1]
-    out = x.new_empty(M, N_out)
+    out = output(x, M, N_out)
     if M == 0 or N_out == 0:
         return out
     # The TMA kernel may read w as w.t(): the same address, and a launch reads only addresses.

@@ -59,7 +59,7 @@ def shrink_scale(scale: float, p: float, masked: bool) -> float:
     return scale / (1.0 - p) if masked else scale
 
 
-_ZERO_SEEDS: dict[torch.device, torch.Tensor] = {}
+ZERO_SEEDS: dict[torch.device, torch.Tensor] = {}
 
 
 def seed_arg(seed: torch.Tensor | int | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -70,7 +70,7 @@ def seed_arg(seed: torch.Tensor | int | None, fallback: torch.Tensor) -> tuple[t
         return fallback, 0
     if isinstance(seed, torch.Tensor):
         return seed, 0
-    zero = _ZERO_SEEDS.get(fallback.device)
+    zero = ZERO_SEEDS.get(fallback.device)
     if zero is None:  # never under CUDA graph capture: check_seed refuses an int there
-        zero = _ZERO_SEEDS[fallback.device] = torch.zeros(1, dtype=torch.int64, device=fallback.device)
+        zero = ZERO_SEEDS[fallback.device] = torch.zeros(1, dtype=torch.int64, device=fallback.device)
     return zero, seed

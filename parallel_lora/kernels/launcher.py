@@ -5,12 +5,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 
 from .host import interpreting, keep_at_most
+from .program import NOTES
 from .spec import KernelSpec
 from .tuning import launch_tuned
 from .workspace import descriptor_scratch, with_descriptor_scratch
@@ -40,6 +41,15 @@ def bound_run(run: Callable, static: tuple, tail: tuple) -> Callable[[tuple, tup
     return go
 
 
+def output(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A launch's fresh output, ``like.new_empty(shape)``; a recording program notes it."""
+    out = like.new_empty(shape)
+    notes = NOTES.notes
+    if notes is not None:
+        notes.outputs.append(out)
+    return out
+
+
 class Site:
     """One launch of the op for one operand layout: ``bound`` and the launcher's ``info``, filled at its first call,
     and ``buffers``, the workspaces of the last stream it ran on."""
@@ -55,15 +65,17 @@ class Site:
 def launch(site: Site | None, tensors: tuple, runtime: tuple, describe: Callable, *how, info: tuple = ()) -> None:
     """Launch ``kernel(*tensors, *static, *runtime, *constexprs)``: a filled ``site``'s Bound, else ``bind`` what
     ``describe(*how) -> (spec, kernel, signature, build)`` names and keep it in ``site`` with ``info``."""
-    if site is not None:
-        bound = site.bound
-        if bound is not None:
-            bound.launch(tensors, runtime)
-            return
-    spec, kernel, signature, build = describe(*how)
-    bound = bind(spec, kernel, signature, tensors, runtime, build)
-    if site is not None:  # info first: another thread never reads a filled site without it
-        site.info, site.bound = info, bound
+    bound = None if site is None else site.bound
+    if bound is not None:
+        bound.launch(tensors, runtime)
+    else:
+        spec, kernel, signature, build = describe(*how)
+        bound = bind(spec, kernel, signature, tensors, runtime, build)
+        if site is not None:  # info first: another thread never reads a filled site without it
+            site.info, site.bound = info, bound
+    notes = NOTES.notes
+    if notes is not None:
+        notes.launches.append((bound, tensors, runtime))
 
 
 def site_buffers(site: Site | None, device: torch.device, make: Callable, *args) -> object:
@@ -108,6 +120,22 @@ def c_launch(launcher: object) -> Callable | None:
     return getattr(launcher, "launch", None) if params == C_LAUNCH_PARAMS else None
 
 
+class CEntry(NamedTuple):
+    """A bound launch's C entry and every argument it passes but the stream, the tensors and the runtime."""
+
+    entry: Callable
+    device: int
+    grid: tuple[int, int, int]
+    function: object
+    cooperative: bool
+    pdl: bool
+    scratch_size: int
+    scratch_align: int
+    packed: object
+    static: tuple
+    tail: tuple
+
+
 def direct_launch(
     compiled: triton.compiler.CompiledKernel, g: tuple[int, int, int], descriptors: bool, static: tuple, tail: tuple
 ) -> Callable[[tuple, tuple], None] | None:
@@ -146,6 +174,8 @@ def direct_launch(
         entry(g0, g1, g2, stream, function, coop, pdl, last[1], None, packed, None, None, None,
               *map(data_ptr, tensors), *static, runtime[0], runtime[1], runtime[2].data_ptr(), *runtime[3:], *tail)
 
+    # what a program replays of this launch (program.build)
+    direct_c.parts = CEntry(entry, device, g, function, coop, pdl, size, align, packed, static, tail)
     return direct_c
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 from .blocks import finish_tile, shrink_rows
 from .dropout_mask import mask_keys
 from .host import aligned_pieces, cdiv, dot_options, interpreting, next_pow2, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch, site_buffers, site_info
+from .launcher import Site, launch, output, site_buffers, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import G_COUNTERS, G_PARTIALS, stream_buffer
@@ -155,7 +155,7 @@ def lora_shrink(
     M, K = x.shape
     R = u.shape[1]
     dev = x.device
-    out = x.new_empty(M, R)
+    out = output(x, M, R)
     if M == 0:
         return out
     info = site_info(site, k_splits, M, K, dev)

@@ -11,7 +11,7 @@ import triton.language as tl
 from .blocks import as_operand, finish_tile
 from .dropout_mask import drop_tile, mask_keys
 from .host import aligned_pieces, cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch, site_buffers, site_info
+from .launcher import Site, launch, output, site_buffers, site_info
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import DB_PARTIALS, G_COUNTERS, G_PARTIALS, stream_buffer
@@ -166,7 +166,7 @@ def lora_shrink_db(
     R = lora_B.shape[1]
     r_pad = pad_rank(R)
     dev = dy.device
-    g = dy.new_empty(M, R)
+    g = output(dy, M, R)
     info = site_info(site, _workspace, M, N, dev)
     splits, n_per_split, blocks = info
     pdb, pg, count = site_buffers(site, dev, _buffers, dev, M, N, r_pad, splits, blocks)

@@ -12,7 +12,7 @@ from .blocks import gemm_descriptors, k_loop, rank_term, shrink_rows, store_tile
 from .dropout_mask import mask_keys
 from .gemm_tma import GEMM_KEY, MAX_BLOCK_R, gemm_fits, gemm_work, tma_configs_with, tma_smem
 from .host import cdiv, dot_options, interpreting, pad_rank, seed_arg, shrink_scale
-from .launcher import Site, launch, site_buffers
+from .launcher import Site, launch, output, site_buffers
 from .spec import KernelSpec, adapter_bytes
 from .tuning import ATOMIC_SLOT, sm_count
 from .workspace import SYNC, stream_buffer
@@ -204,7 +204,7 @@ def lora_shrink_gemm(
     M = x.shape[0]
     N, R = lora_B.shape
     dev = x.device
-    y, s_lora = x.new_empty(M, N), x.new_empty(M, R)
+    y, s_lora = output(x, M, N), output(x, M, R)
     sync = site_buffers(site, dev, _sync, dev, M)
     c = shrink_scale(scale, p, drop_post)
     # A and B stand for the kernel's u = A^T and f = B^T: a launch reads their pointers, its bind their strides.

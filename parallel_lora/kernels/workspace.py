@@ -17,8 +17,19 @@ G_PARTIALS: dict[tuple, torch.Tensor] = {}
 G_COUNTERS: dict[tuple, torch.Tensor] = {}
 DESCRIPTORS: dict[tuple, torch.Tensor] = {}
 
+_CACHES = (PARTIALS, COUNTERS, SYNC, DB_PARTIALS, G_PARTIALS, G_COUNTERS, DESCRIPTORS)
+
 # Replaced workspaces, kept: a captured CUDA graph may still write to their addresses.
 RETIRED: list[torch.Tensor] = []
+
+
+def holding(address: int) -> torch.Tensor | None:
+    """The workspace, kept or retired, whose memory holds ``address``; None if none does."""
+    for buf in (*RETIRED, *(b for cache in _CACHES for b in cache.values())):
+        start = buf.data_ptr()
+        if start <= address < start + buf.numel() * buf.element_size():
+            return buf
+    return None
 
 
 def grown(cache: dict, key: tuple, numel: int, make: Callable, least: int, device, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""Recorded programs (``parallel_lora.kernels.program``): a plan's call recorded once, then replayed.
+
+Every kernel is bound to a fake of Triton 3.6's C entry that records its arguments (the seam of
+``test_launcher``), so a replay can be compared with the launchers' own call, argument by argument. Reference: the
+launchers' call on the same operands; fresh outputs may sit at other addresses, one for one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parallel_lora import LoRAConfig, LoRALinear, functional
+from parallel_lora.kernels import dispatch, host, launcher, program, workspace
+from tests._kernels import gpu, needs_cuda, patch_bind
+
+
+class _Entry:
+    """Triton 3.6's ``CudaLauncher`` for one kernel: its C entry appends ``(kernel, args)`` to a shared log."""
+
+    num_ctas, global_scratch_size, global_scratch_align, profile_scratch_size = 1, 128, 64, 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, name: str, log: list):
+        self.launch = lambda *args: log.append((name, args))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        raise AssertionError("the Python half of the launcher ran")
+
+
+@pytest.fixture
+def log(monkeypatch) -> list:
+    calls, scratch = [], torch.empty(4096, dtype=torch.int8)
+    monkeypatch.setattr(launcher.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "descriptor_scratch", lambda *a: scratch)
+    monkeypatch.setattr(program, "descriptor_scratch", lambda *a: scratch)
+    monkeypatch.setattr(workspace, "_CACHES", (*workspace._CACHES, {"scratch": scratch}))
+
+    def bind(spec, kernel, signature, tensors, runtime, build):
+        static, grid, consts = build()
+        members = {"run": _Entry(spec.name, calls), "function": spec.name, "packed_metadata": kernel.__name__,
+                   "_init_handles": lambda self: None}  # fmt: skip
+        compiled = type("Compiled", (), members)()
+        bound = launcher.Bound(spec.name, launcher.direct_launch(compiled, (3, 2, 1), True, static, ("tail",)))
+        bound.launch(tensors, runtime)
+        return bound
+
+    patch_bind(monkeypatch, bind)
+    dispatch.clear_sites()
+    return calls
+
+
+def _layer(dropout: float, position: str, bias: bool, K: int = 64, N: int = 48, device: str = "cpu") -> LoRALinear:
+    torch.manual_seed(0)
+    cfg = LoRAConfig(r=8, alpha=16, dropout=dropout, dropout_position=position, backend="triton",
+                     lora_dtype=torch.float32)  # fmt: skip
+    layer = LoRALinear(K, N, cfg, bias=bias, dtype=torch.bfloat16, device=device).train()
+    nn.init.normal_(layer.lora_B.weight)
+    return layer
+
+
+def _step(layer, x, dy, seed) -> tuple:
+    """One forward and backward with ``seed`` as the layer's dropout seed: its outputs and gradients."""
+    layer._dropout_stream = type("Seeds", (), {"next_seed": lambda self, x: seed})()
+    y = layer(x)
+    grads = torch.autograd.grad(y, [t for t in (x, layer.lora_A.weight, layer.lora_B.weight) if t.requires_grad], dy)
+    return (y, *grads)
+
+
+def _same_up_to_fresh_addresses(replayed: list, called: list, fresh: dict) -> None:
+    # Argument by argument equal, but where the launchers' call passed an address of a fresh output: there the
+    # replay passes its own fresh output's, the same one at every use.
+    assert [name for name, _ in replayed] == [name for name, _ in called]
+    for (name, ours), (_, theirs) in zip(replayed, called, strict=True):
+        assert len(ours) == len(theirs), name
+        for a, b in zip(ours, theirs, strict=True):
+            if a != b:
+                assert fresh.setdefault(b, a) == a, name
+
+
+@pytest.mark.parametrize(("bias", "x_grad"), [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize(("dropout", "position", "seed"), [(0.0, "pre", None), (0.1, "pre", 1234),
+                         (0.1, "post", 99), (0.1, "post", "tensor")])  # fmt: skip
+def test_a_replay_passes_every_entry_what_the_launchers_pass(log, dropout, position, seed, bias, x_grad, monkeypatch):
+    layer = _layer(dropout, position, bias)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=x_grad)
+    dy = torch.randn(40, 48, dtype=torch.bfloat16)
+    if seed == "tensor":
+        seed = torch.tensor([5], dtype=torch.int64)
+    _step(layer, x, dy, seed)  # binds every launch and fills the plan's sites
+    log.clear()
+    called = _step(layer, x, dy, seed)  # the launchers' call, recorded
+    first = list(log)
+    log.clear()
+    for name in ("run_forward", "run_backward"):
+        monkeypatch.setattr(dispatch, name, lambda *a: pytest.fail("a replay called the launchers"))
+    replayed = _step(layer, x, dy, seed)
+    fresh = {}
+    _same_up_to_fresh_addresses(log, first, fresh)
+    assert len(fresh) >= 2  # y and dx at least
+    for ours, theirs in zip(replayed, called, strict=True):
+        assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
+        assert ours.data_ptr() == fresh.get(theirs.data_ptr(), theirs.data_ptr())
+    plan = next(iter(layer._plans.values()))
+    assert all(plan.fwd_programs.by_stream.values()), "the forward was not recorded"
+
+
+def test_a_replay_takes_the_new_seed_and_a_new_seed_kind_goes_back_to_the_launchers(log):
+    layer = _layer(0.1, "post", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    dy = torch.randn(40, 48, dtype=torch.bfloat16)
+    for seed in (7, 8):
+        _step(layer, x, dy, seed)
+    log.clear()
+    _step(layer, x, dy, 12345)
+    zero = host.ZERO_SEEDS[x.device].data_ptr()  # an int seed travels as (zero's address, salt)
+    salts = [args[args.index(zero) + 1] for _, args in log if zero in args]
+    assert len(salts) >= 2 and set(salts) == {12345}, log  # S's mask in the forward, G's in the backward
+    log.clear()
+    seed = torch.tensor([3], dtype=torch.int64)
+    _step(layer, x, dy, seed)  # no program for a tensor seed: the launchers
+    assert any(seed.data_ptr() in args for _, args in log)
+
+
+def test_an_unrecordable_call_keeps_the_launchers(log, monkeypatch):
+    # An address that is neither an operand, a fresh output nor a workspace: no program, the launchers every time.
+    layer = _layer(0.0, "pre", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    dy = torch.randn(40, 48, dtype=torch.bfloat16)
+    monkeypatch.setattr(program, "holding", lambda address: None)
+    calls = []
+    real = dispatch.run_forward
+    monkeypatch.setattr(dispatch, "run_forward", lambda *a: calls.append(1) or real(*a))
+    for _ in range(4):
+        _step(layer, x, dy, None)
+    plan = next(iter(layer._plans.values()))
+    assert list(plan.fwd_programs.by_stream.values()) == [False] and len(calls) == 4
+
+
+def test_a_fresh_output_no_launch_wrote_is_not_replayed():
+    # A fresh output written on the host (adapter_grads zeroes its outputs at M == 0) cannot come from a replay.
+    notes = program.Notes()
+    out = torch.zeros(4)
+    notes.outputs.append(out)
+    parts = launcher.CEntry(print, 0, (1, 1, 1), "fn", False, False, 0, 64, "meta", (), ())
+    bound = launcher.Bound("k", type("Run", (), {"parts": parts, "__call__": lambda self, *a: None})())
+    x = torch.zeros(3)
+    notes.launches.append((bound, (x,), (1.0, 0.0, x, 0)))
+    with pytest.raises(program.Unrecordable, match="no launch wrote"):
+        program.build(notes, (x,), None, (out,), 0)
+
+
+def test_no_program_under_the_interpreter():
+    # The interpreter's launches have no C entry: a plan records once per stream, finds that and keeps the launchers.
+    layer = _layer(0.0, "pre", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    for _ in range(3):
+        layer(x)
+    plan = next(iter(layer._plans.values()))
+    assert plan.fwd_programs.by_stream == {0: False}
+    assert isinstance(plan, functional.Plan)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("M", "K", "N"), [(512, 1024, 768), (300, 256, 130)])  # a fused forward, separate launches
+@pytest.mark.parametrize(("dropout", "position"), [(0.0, "pre"), (0.1, "pre"), (0.1, "post")])
+def test_gpu_a_replay_matches_the_launchers_bit_for_bit(M, K, N, dropout, position, monkeypatch):
+    # The same call through the launchers, then replayed on the default stream and recorded and replayed on another.
+    layer = _layer(dropout, position, True, K, N, "cuda")
+    x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(M, N, dtype=torch.bfloat16, device="cuda")
+    real = program.Programs.run
+    monkeypatch.setattr(program.Programs, "run", lambda self, call, operands, seed: call())
+    want = _step(layer, x, dy, 4321)
+    monkeypatch.setattr(program.Programs, "run", real)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # binds (or finds its sites filled), records, replays
+                got = _step(layer, x, dy, 4321)
+                for a, b in zip(got, want, strict=True):
+                    assert torch.equal(a, b)
+        torch.cuda.synchronize()
+    plan = next(iter(layer._plans.values()))
+    programs = [plan.fwd_programs, *(kept[1] for kept in plan.bwd_entries.values())]
+    assert all(len(p.by_stream) == 2 and all(isinstance(v, program.Program) for v in p.by_stream.values())
+               for p in programs)  # fmt: skip
