@@ -18,6 +18,7 @@ from .gemm import lora_gemm
 from .gemm_tma import tma_compatible, tma_operand
 from .host import interpreting, keep_at_most, pad_rank
 from .launcher import Site
+from .program import Programs
 from .shrink import lora_shrink
 from .shrink_db import lora_shrink_db, takes_db_partials
 from .shrink_gemm import MAX_FUSED_R_PAD, MAX_FUSED_WIDE_R_PAD, lora_shrink_gemm, programs, spares_keep_pace
@@ -168,8 +169,8 @@ def backward_key(
 
 # launch sites by checked layout, for callers without a plan (the compiled op, direct calls)
 SITES_KEPT = 256
-_FORWARD_SITES: dict[tuple, tuple[Site, Site, bool | None]] = {}
-_BACKWARD_SITES: dict[tuple, tuple[Site, Site, Site, bool | None]] = {}
+_FORWARD_SITES: dict[tuple, tuple[tuple, Programs]] = {}  # (forward_entry, its programs)
+_BACKWARD_SITES: dict[tuple, tuple[tuple, Programs]] = {}
 
 
 def clear_sites() -> None:
@@ -250,15 +251,18 @@ def run_forward(
 
 def forward(x, weight, bias, lora_A, lora_B, scale, dropout=None):
     """Without a plan: ``x [M, K]``, ``W [N, K]``, ``b [N]``, ``A [r, K]``, ``B [N, r]`` -> ``y [M, N], S [M, r]``."""
-    mode, p, seed, k_offset, key = _prologue(scale, dropout, forward_key, (x, weight, bias, lora_A, lora_B))
-    entry = _FORWARD_SITES.get(key)
-    fresh = entry is None
-    if fresh:
-        _check_forward(x, weight, bias, lora_A, lora_B)
-        entry = forward_entry(x, weight, bias, lora_A, lora_B, mode)
-    out = run_forward(entry, x, weight, bias, lora_A, lora_B, float(scale), p, seed, mode, k_offset)
-    if fresh and key is not None:  # stored once filled: another thread never reads a half-bound site
-        keep_at_most(_FORWARD_SITES, key, entry, SITES_KEPT)
+    operands = (x, weight, bias, lora_A, lora_B)
+    mode, p, seed, k_offset, key = _prologue(scale, dropout, forward_key, operands)
+    kept = _FORWARD_SITES.get(key)
+    if kept is not None:
+        entry, programs = kept
+        call = lambda: run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)  # noqa: E731
+        return programs.run(call, operands, seed)
+    _check_forward(*operands)
+    entry = forward_entry(*operands, mode)
+    out = run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)
+    if key is not None:  # stored once filled: another thread never reads a half-bound site
+        keep_at_most(_FORWARD_SITES, key, (entry, Programs()), SITES_KEPT)
     return out
 
 
@@ -313,12 +317,14 @@ def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_d
     operands = (dy, x, weight, lora_A, lora_B, s_lora)
     needs = (needs_dx, needs_dA, needs_dB)
     mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, needs)
-    entry = _BACKWARD_SITES.get(key)
-    fresh = entry is None
-    if fresh:
-        _check_backward(*operands)
-        entry = backward_entry(*operands, mode, *needs)
+    kept = _BACKWARD_SITES.get(key)
+    if kept is not None:
+        entry, programs = kept
+        call = lambda: run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)  # noqa: E731
+        return programs.run(call, operands, seed)
+    _check_backward(*operands)
+    entry = backward_entry(*operands, mode, *needs)
     grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)
-    if fresh and key is not None:
-        keep_at_most(_BACKWARD_SITES, key, entry, SITES_KEPT)
+    if key is not None:
+        keep_at_most(_BACKWARD_SITES, key, (entry, Programs()), SITES_KEPT)
     return grads

@@ -57,7 +57,7 @@ class Unrecordable(Exception):
 def build(notes: Notes, operands: tuple, seed: torch.Tensor | int | None, outputs: tuple, stream: int) -> Program:
     """The program of a recorded call; raises ``Unrecordable`` where replaying it could differ from calling it."""
     launches, fresh = notes.launches, notes.outputs
-    if not launches or any(getattr(bound.run, "parts", None) is None for bound, _, _ in launches):
+    if not launches or any(getattr(getattr(bound, "run", None), "parts", None) is None for bound, _, _ in launches):
         raise Unrecordable("no launch, or a launch without Triton's C entry")  # e.g. the interpreter's
     ops = [t for t in operands if t is not None]
     if any(t.numel() == 0 for t in (*ops, *fresh)):

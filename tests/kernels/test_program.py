@@ -108,6 +108,34 @@ def test_a_replay_passes_every_entry_what_the_launchers_pass(log, dropout, posit
     assert all(plan.fwd_programs.by_stream.values()), "the forward was not recorded"
 
 
+@pytest.mark.parametrize("seed", [None, "tensor"])
+def test_the_compiled_ops_calls_replay_too(log, seed, monkeypatch):
+    # Callers without a plan (the compiled op) keep programs beside their layout's sites: the same entry calls.
+    from parallel_lora import kernels
+    from parallel_lora._dropout import Dropout
+
+    x, weight, lora_A, lora_B = torch.randn(40, 64), torch.randn(48, 64), torch.randn(8, 64), torch.randn(48, 8)
+    dy = torch.randn(40, 48)
+    drop = None if seed is None else Dropout(0.1, torch.tensor([5], dtype=torch.int64), "post")
+
+    def calls():
+        y, s_lora = kernels.forward(x, weight, None, lora_A, lora_B, 2.0, drop)
+        return y, s_lora, *kernels.backward(dy, x, weight, lora_A, lora_B, s_lora, 2.0, drop)
+
+    calls()  # binds
+    log.clear()
+    called = calls()  # records
+    first = list(log)
+    log.clear()
+    for name in ("run_forward", "run_backward"):
+        monkeypatch.setattr(dispatch, name, lambda *a: pytest.fail("a replay called the launchers"))
+    replayed = calls()
+    fresh = {}
+    _same_up_to_fresh_addresses(log, first, fresh)
+    for ours, theirs in zip(replayed, called, strict=True):
+        assert ours.data_ptr() == fresh[theirs.data_ptr()]
+
+
 def test_a_replay_takes_the_new_seed_and_a_new_seed_kind_goes_back_to_the_launchers(log):
     layer = _layer(0.1, "post", False)
     x = torch.randn(40, 64, dtype=torch.bfloat16)
