@@ -50,9 +50,9 @@ class Plan:
         self._mask_offset = k_offset if position == "pre" else 0
         self.input_comm, self.output_comm = input_comm, output_comm
         self.config = None  # the layer config a kept plan was built for (``LoRALayer._call_plan``)
-        self.fwd_entry = None  # the forward's launch sites, then its recorded programs (kernels/program.py)
-        self.fwd_programs = Programs()
-        self.bwd_entries: dict = {}
+        self.fwd_entry = None  # the forward's launch sites
+        self.fwd_programs = Programs()  # its calls recorded for replay (kernels/program.py)
+        self.bwd_entries: dict = {}  # per dy layout and wanted grads: (launch sites, Programs)
 
     def _dropout(self, seed: torch.Tensor | int | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
