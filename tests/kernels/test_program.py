@@ -70,15 +70,28 @@ def _step(layer, x, dy, seed) -> tuple:
     return (y, *grads)
 
 
-def _same_up_to_fresh_addresses(replayed: list, called: list, fresh: dict) -> None:
-    # Argument by argument equal, but where the launchers' call passed an address of a fresh output: there the
-    # replay passes its own fresh output's, the same one at every use.
+def _same_up_to_fresh_addresses(replayed: list, called: list, fresh: dict, outputs: set) -> None:
+    # Argument by argument equal, but where the launchers' call passed the address of one of its fresh ``outputs``:
+    # there the replay passes its own fresh output's, the same one at every use, another for another output.
     assert [name for name, _ in replayed] == [name for name, _ in called]
     for (name, ours), (_, theirs) in zip(replayed, called, strict=True):
         assert len(ours) == len(theirs), name
         for a, b in zip(ours, theirs, strict=True):
             if a != b:
-                assert fresh.setdefault(b, a) == a, name
+                assert b in outputs and fresh.setdefault(b, a) == a, name
+    assert len(set(fresh.values())) == len(fresh)
+
+
+def _recorded_outputs(monkeypatch) -> set:
+    """The addresses of the fresh outputs of every call recorded from now on."""
+    addresses, real = set(), program.build
+
+    def build(notes, *args):
+        addresses.update(t.data_ptr() for t in notes.outputs)
+        return real(notes, *args)
+
+    monkeypatch.setattr(program, "build", build)
+    return addresses
 
 
 @pytest.mark.parametrize(("bias", "x_grad"), [(False, True), (True, True), (False, False)])
@@ -92,6 +105,7 @@ def test_a_replay_passes_every_entry_what_the_launchers_pass(log, dropout, posit
         seed = torch.tensor([5], dtype=torch.int64)
     _step(layer, x, dy, seed)  # binds every launch and fills the plan's sites
     log.clear()
+    outputs = _recorded_outputs(monkeypatch)
     called = _step(layer, x, dy, seed)  # the launchers' call, recorded
     first = list(log)
     log.clear()
@@ -99,7 +113,7 @@ def test_a_replay_passes_every_entry_what_the_launchers_pass(log, dropout, posit
         monkeypatch.setattr(dispatch, name, lambda *a: pytest.fail("a replay called the launchers"))
     replayed = _step(layer, x, dy, seed)
     fresh = {}
-    _same_up_to_fresh_addresses(log, first, fresh)
+    _same_up_to_fresh_addresses(log, first, fresh, outputs)
     assert len(fresh) >= 2  # y and dx at least
     for ours, theirs in zip(replayed, called, strict=True):
         assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
@@ -124,6 +138,7 @@ def test_the_compiled_ops_calls_replay_too(log, seed, monkeypatch):
 
     calls()  # binds
     log.clear()
+    outputs = _recorded_outputs(monkeypatch)
     called = calls()  # records
     first = list(log)
     log.clear()
@@ -131,7 +146,7 @@ def test_the_compiled_ops_calls_replay_too(log, seed, monkeypatch):
         monkeypatch.setattr(dispatch, name, lambda *a: pytest.fail("a replay called the launchers"))
     replayed = calls()
     fresh = {}
-    _same_up_to_fresh_addresses(log, first, fresh)
+    _same_up_to_fresh_addresses(log, first, fresh, outputs)
     for ours, theirs in zip(replayed, called, strict=True):
         assert ours.data_ptr() == fresh[theirs.data_ptr()]
 
@@ -151,6 +166,13 @@ def test_a_replay_takes_the_new_seed_and_a_new_seed_kind_goes_back_to_the_launch
     seed = torch.tensor([3], dtype=torch.int64)
     _step(layer, x, dy, seed)  # no program for a tensor seed: the launchers
     assert any(seed.data_ptr() in args for _, args in log)
+    tensor_seeded = _layer(0.1, "post", False)
+    seeds = [torch.tensor([s], dtype=torch.int64) for s in (1, 2, 3)]
+    for seed in seeds:  # binds, records, replays
+        log.clear()
+        _step(tensor_seeded, x, dy, seed)
+    used = [seed.data_ptr() in args for _, args in log for seed in seeds]
+    assert not any(used[0::3]) and not any(used[1::3]) and sum(used[2::3]) >= 2, log
 
 
 def test_an_unrecordable_call_keeps_the_launchers(log, monkeypatch):
