@@ -122,15 +122,16 @@ class Plans(dict):
 
 
 def call_key(x, weight, bias, lora_A, lora_B, *more) -> tuple:
-    """What a layer's plan depends on: x's layout, the autocast state, the parameters' storage, layouts and dtypes
-    (a view of the same storage may have another shape or strides), ``more``."""
+    """What a layer's plan depends on: x's layout, the autocast state, each parameter's layout, dtype, device and
+    16-byte alignment (not its address: FSDP2 allocates its parameters anew at every step), ``more``."""
     device = x.device
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
     return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, autocast,
-            weight.data_ptr(), weight.shape, weight.stride(), weight.dtype,
-            lora_A.data_ptr(), lora_A.shape, lora_A.stride(), lora_A.dtype,
-            lora_B.data_ptr(), lora_B.shape, lora_B.stride(), lora_B.dtype,
-            None if bias is None else (bias.data_ptr(), bias.shape, bias.stride(), bias.dtype), *more)  # fmt: skip
+            weight.shape, weight.stride(), weight.dtype, weight.get_device(), weight.data_ptr() & 15,
+            lora_A.shape, lora_A.stride(), lora_A.dtype, lora_A.get_device(), lora_A.data_ptr() & 15,
+            lora_B.shape, lora_B.stride(), lora_B.dtype, lora_B.get_device(), lora_B.data_ptr() & 15,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() & 15),
+            *more)  # fmt: skip
 
 
 def make_plan(x, weight, bias, lora_A, lora_B, scale: float, backend: str, dropout_p: float, training: bool,

@@ -93,6 +93,28 @@ def test_a_parameter_view_of_the_same_storage_gets_its_own_plan(backend):
         layer(x)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_parameters_allocated_anew_keep_their_plan(backend, monkeypatch):
+    # FSDP2 allocates its unsharded parameters anew at every step: the same layout at another address keeps the
+    # plan, nothing is built again, and each call reads the new storage. Another 16-byte alignment is a new plan.
+    layer = _layer(backend)
+    x = torch.randn(6, 16)
+    built = _counting(monkeypatch, layers, "make_plan")
+    for step in range(4):
+        for module, name in ((layer, "weight"), (layer.lora_A, "weight"), (layer.lora_B, "weight")):
+            old = getattr(module, name)
+            fresh = nn.Parameter(old.detach() + 0.5 * step, requires_grad=old.requires_grad)
+            setattr(module, name, fresh)
+        oracle = lora_linear(x, layer.weight, None, layer.lora_A.weight, layer.lora_B.weight, 2.0, backend="torch")
+        torch.testing.assert_close(layer(x), oracle)
+    assert len(built) == 1 and len(layer._plans) == 1
+    storage = torch.randn(24 * 16 + 1)
+    layer.weight = nn.Parameter(storage[1:].view(24, 16), requires_grad=False)  # 4 bytes past its storage's start
+    oracle = lora_linear(x, layer.weight, None, layer.lora_A.weight, layer.lora_B.weight, 2.0, backend="torch")
+    torch.testing.assert_close(layer(x), oracle)
+    assert len(built) == 2
+
+
 class _Doubled(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return 2 * w
