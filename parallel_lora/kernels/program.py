@@ -125,10 +125,10 @@ def _seed_slots(seed_arg: torch.Tensor, salt: int, seed, device, place: Callable
     recorded (a launch without a mask reads neither)."""
     if isinstance(seed, torch.Tensor) and seed_arg is seed:
         return [("seed", 0), const(salt)]
-    if isinstance(seed, int) and seed_arg is ZERO_SEEDS.get(device) and salt == seed:
-        return [const(seed_arg.data_ptr()), ("seed", 0)]
     if isinstance(seed, int) and seed_arg is ZERO_SEEDS.get(device):
-        raise Unrecordable("a launch with an int seed other than the call's")
+        if salt != seed:
+            raise Unrecordable("a launch with an int seed other than the call's")
+        return [const(seed_arg.data_ptr()), ("seed", 0)]
     return [place(seed_arg), const(salt)]
 
 
