@@ -19,12 +19,14 @@ setup(
     description="LoRA adapters on Megatron-style tensor-parallel linear layers, with fused Triton kernels",
     license="Apache-2.0",
     packages=find_packages(include=["parallel_lora", "parallel_lora.*", "launch"]),
-    package_data={"launch": ["corpus.txt"]},  # the toy model's training text
+    # the toy model's training text; the C++ half of a replayed call, built on first use
+    package_data={"launch": ["corpus.txt"], "parallel_lora.kernels": ["replay.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
         "triton>=3.2; platform_system == 'Linux'",
         "safetensors>=0.4",
+        "ninja",  # torch.utils.cpp_extension builds kernels/replay.cpp with it
     ],
     cmdclass={"build_py": BuildPy},
     entry_points={"console_scripts": ["parallel-lora = launch.command:main"]},

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from . import _eager as eager
 from ._dropout import Dropout, check_dropout, check_seed, draw_seed, seed_tensor
 from ._dtypes import autocast_off, cast_to, compute_dtype
+from .kernels import replay
 from .kernels.host import interpreting, keep_at_most
 from .kernels.ops import dispatch_module
 from .kernels.program import Programs
@@ -53,6 +54,8 @@ class Plan:
         self.fwd_entry = None  # the forward's launch sites
         self.fwd_programs = Programs()  # its calls recorded for replay (kernels/program.py)
         self.bwd_entries: dict = {}  # per dy layout and wanted grads: (launch sites, Programs)
+        # replay.cpp's state once a forward is recorded; False where a call casts or communicates
+        self.replay = None if backend == "triton" and not casts and input_comm is output_comm is None else False
 
     def _dropout(self, seed: torch.Tensor | int | None) -> Dropout | None:
         return None if self.p == 0.0 else Dropout(self.p, seed, self.position, self.k_offset)
@@ -79,7 +82,11 @@ class Plan:
             out = call()
             self.fwd_entry = entry  # kept only once run_forward has filled its sites
             return out
-        return self.fwd_programs.run(call, (x, weight, bias, lora_A, lora_B), seed)
+        out = self.fwd_programs.run(call, (x, weight, bias, lora_A, lora_B), seed)
+        if self.replay is None and any(self.fwd_programs.by_stream.values()):
+            self.replay = replay.module() is not None and (self.fwd_programs.by_stream, self.bwd_entries, _APPLY,
+                                                           Plan.backward, self)  # fmt: skip
+        return out
 
     def backward(self, dy, x, weight, lora_A, lora_B, s_lora, seed, needs: tuple[bool, bool, bool]) -> tuple:
         """``dy [M, N]`` and the forward's operands -> ``(dx, dA, dB)``, ``None`` where not wanted."""
@@ -215,6 +222,8 @@ def lora_apply(x, weight, bias, lora_A, lora_B, plan: Plan, seed) -> torch.Tenso
         )
     if torch.compiler.is_compiling():
         return LoRAFunction.apply(x, weight, bias, lora_A, lora_B, plan, seed)
+    if plan.replay:  # the recorded programs, run from C++ (kernels/replay.cpp)
+        return replay.module().replay(plan.replay, x, weight, bias, lora_A, lora_B, seed)
     return _APPLY(x, weight, bias, lora_A, lora_B, plan, seed)
 
 

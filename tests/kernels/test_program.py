@@ -114,6 +114,7 @@ def test_a_replay_passes_every_entry_what_the_launchers_pass(log, dropout, posit
     replayed = _step(layer, x, dy, seed)
     fresh = {}
     _same_up_to_fresh_addresses(log, first, fresh, outputs)
+    assert replayed[0].grad_fn.name() == "LoRABackward"  # replay.cpp's node
     assert len(fresh) >= 2  # y and dx at least
     for ours, theirs in zip(replayed, called, strict=True):
         assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
@@ -214,6 +215,86 @@ def test_no_program_under_the_interpreter():
     assert isinstance(plan, functional.Plan)
 
 
+def _launched(monkeypatch) -> list:
+    """The names of the launcher functions (``run_forward`` / ``run_backward``) called from now on."""
+    calls = []
+    for name in ("run_forward", "run_backward"):
+        real = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    return calls
+
+
+def test_a_3d_input_replays_from_cpp_in_its_own_shape(log, monkeypatch):
+    layer = _layer(0.0, "pre", False)
+    x = torch.randn(2, 20, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 20, 48, dtype=torch.bfloat16)
+    for _ in range(2):
+        _step(layer, x, dy, None)
+    launched = _launched(monkeypatch)
+    y, dx, dA, dB = _step(layer, x, dy, None)
+    assert y.grad_fn.name() == "LoRABackward" and not launched
+    assert (y.shape, dx.shape, dA.shape, dB.shape) == ((2, 20, 48), (2, 20, 64), (8, 64), (48, 8))
+    assert not y._is_view() and y.is_contiguous() and dx.is_contiguous()
+
+
+def test_a_new_dy_layout_is_recorded_then_replayed_from_cpp(log, monkeypatch):
+    layer = _layer(0.1, "post", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    dy = torch.randn(40, 96, dtype=torch.bfloat16)[:, :48]  # another stride than the recorded dy's
+    for _ in range(2):
+        _step(layer, x, dy.contiguous(), 5)
+    launched = _launched(monkeypatch)
+    for _ in range(3):  # binds, records and replays the new layout's backward; the forward replays throughout
+        _step(layer, x, dy, 5)
+    assert launched == ["run_backward", "run_backward"]
+    plan = next(iter(layer._plans.values()))
+    assert len(plan.bwd_entries) == 2 and all(all(kept[1].by_stream.values()) for kept in plan.bwd_entries.values())
+
+
+@pytest.mark.parametrize("case", ["weight_grad", "no_grad", "subclass", "no_cpp"])
+def test_calls_cpp_cannot_replay_go_through_lora_function(log, case, monkeypatch):
+    # A trainable base weight, a tensor subclass, or no C++ half: LoRAFunction (its launches still replayed).
+    if case == "no_cpp":
+        monkeypatch.setattr(functional.replay, "module", lambda: None)
+    layer = _layer(0.0, "pre", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    if case == "weight_grad":
+        layer.weight.requires_grad_(True)
+    for _ in range(2):
+        layer(x)
+    if case == "subclass":
+        x = x.detach().as_subclass(type("Tagged", (torch.Tensor,), {})).requires_grad_(True)
+    log.clear()
+    if case == "no_grad":
+        with torch.no_grad():
+            y = layer(x)
+        assert y.grad_fn is None and log  # replayed from C++, no node
+        return
+    y = layer(x)
+    assert y.grad_fn.name() == "LoRAFunctionBackward" and log
+    assert layer.weight.grad is None or case == "weight_grad"
+
+
+def test_the_cpp_node_saves_through_saved_tensor_hooks_and_checks_versions(log):
+    layer = _layer(0.0, "pre", False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(40, 48, dtype=torch.bfloat16)
+    for _ in range(2):
+        _step(layer, x, dy, None)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert y.grad_fn.name() == "LoRABackward" and len(packed) == 5  # x, W, A, B and S
+    y.backward(dy)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(dy)
+    z = layer(x.detach().clone().requires_grad_(True))
+    with torch.no_grad():
+        layer.lora_A.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward(dy)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("M", "K", "N"), [(512, 1024, 768), (300, 256, 130)])  # a fused forward, separate launches
@@ -234,6 +315,7 @@ def test_gpu_a_replay_matches_the_launchers_bit_for_bit(M, K, N, dropout, positi
                 got = _step(layer, x, dy, 4321)
                 for a, b in zip(got, want, strict=True):
                     assert torch.equal(a, b)
+            assert got[0].grad_fn.name() == "LoRABackward"  # replayed from C++ (replay.cpp)
         torch.cuda.synchronize()
     plan = next(iter(layer._plans.values()))
     programs = [plan.fwd_programs, *(kept[1] for kept in plan.bwd_entries.values())]
