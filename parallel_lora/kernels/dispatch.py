@@ -169,14 +169,20 @@ def backward_key(
 
 # launch sites by checked layout, for callers without a plan (the compiled op, direct calls)
 SITES_KEPT = 256
-_FORWARD_SITES: dict[tuple, tuple[tuple, Programs]] = {}  # (forward_entry, its programs)
-_BACKWARD_SITES: dict[tuple, tuple[tuple, Programs]] = {}
+_FORWARD_SITES: dict[tuple, tuple[tuple, dict]] = {}  # (forward_entry, its Programs by (scale, p))
+_BACKWARD_SITES: dict[tuple, tuple[tuple, dict]] = {}
 
 
 def clear_sites() -> None:
     """Forget every layout's launch sites (callers without a plan): the next calls check and choose again."""
     _FORWARD_SITES.clear()
     _BACKWARD_SITES.clear()
+
+
+def _programs(kept: tuple, scale: float, p: float) -> Programs:
+    """A kept layout's programs for one ``(scale, p)``: both are constants of a recorded call."""
+    programs = kept[1].get((scale, p))
+    return keep_at_most(kept[1], (scale, p), Programs(), 8) if programs is None else programs
 
 
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -255,14 +261,14 @@ def forward(x, weight, bias, lora_A, lora_B, scale, dropout=None):
     mode, p, seed, k_offset, key = _prologue(scale, dropout, forward_key, operands)
     kept = _FORWARD_SITES.get(key)
     if kept is not None:
-        entry, programs = kept
+        entry = kept[0]
         call = lambda: run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)  # noqa: E731
-        return programs.run(call, operands, seed)
+        return _programs(kept, float(scale), p).run(call, operands, seed)
     _check_forward(*operands)
     entry = forward_entry(*operands, mode)
     out = run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)
     if key is not None:  # stored once filled: another thread never reads a half-bound site
-        keep_at_most(_FORWARD_SITES, key, (entry, Programs()), SITES_KEPT)
+        keep_at_most(_FORWARD_SITES, key, (entry, {}), SITES_KEPT)
     return out
 
 
@@ -319,12 +325,12 @@ def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_d
     mode, p, seed, k_offset, key = _prologue(scale, dropout, backward_key, operands, needs)
     kept = _BACKWARD_SITES.get(key)
     if kept is not None:
-        entry, programs = kept
+        entry = kept[0]
         call = lambda: run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)  # noqa: E731
-        return programs.run(call, operands, seed)
+        return _programs(kept, float(scale), p).run(call, operands, seed)
     _check_backward(*operands)
     entry = backward_entry(*operands, mode, *needs)
     grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)
     if key is not None:
-        keep_at_most(_BACKWARD_SITES, key, (entry, Programs()), SITES_KEPT)
+        keep_at_most(_BACKWARD_SITES, key, (entry, {}), SITES_KEPT)
     return grads
