@@ -169,7 +169,7 @@ def backward_key(
 
 # launch sites by checked layout, for callers without a plan (the compiled op, direct calls)
 SITES_KEPT = 256
-_FORWARD_SITES: dict[tuple, tuple[tuple, dict]] = {}  # (forward_entry, its Programs by (scale, p))
+_FORWARD_SITES: dict[tuple, tuple[tuple, dict]] = {}  # (forward_entry, its Programs by (scale, p, k_offset))
 _BACKWARD_SITES: dict[tuple, tuple[tuple, dict]] = {}
 
 
@@ -179,10 +179,10 @@ def clear_sites() -> None:
     _BACKWARD_SITES.clear()
 
 
-def _programs(kept: tuple, scale: float, p: float) -> Programs:
-    """A kept layout's programs for one ``(scale, p)``: both are constants of a recorded call."""
-    programs = kept[1].get((scale, p))
-    return keep_at_most(kept[1], (scale, p), Programs(), 8) if programs is None else programs
+def _programs(kept: tuple, *scalars: float) -> Programs:
+    """A kept layout's programs for one call's ``(scale, p, k_offset)``: constants of a recorded call."""
+    programs = kept[1].get(scalars)
+    return keep_at_most(kept[1], scalars, Programs(), 8) if programs is None else programs
 
 
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -263,7 +263,7 @@ def forward(x, weight, bias, lora_A, lora_B, scale, dropout=None):
     if kept is not None:
         entry = kept[0]
         call = lambda: run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)  # noqa: E731
-        return _programs(kept, float(scale), p).run(call, operands, seed)
+        return _programs(kept, float(scale), p, k_offset).run(call, operands, seed)
     _check_forward(*operands)
     entry = forward_entry(*operands, mode)
     out = run_forward(entry, *operands, float(scale), p, seed, mode, k_offset)
@@ -327,7 +327,7 @@ def backward(dy, x, weight, lora_A, lora_B, s_lora, scale, dropout=None, needs_d
     if kept is not None:
         entry = kept[0]
         call = lambda: run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)  # noqa: E731
-        return _programs(kept, float(scale), p).run(call, operands, seed)
+        return _programs(kept, float(scale), p, k_offset).run(call, operands, seed)
     _check_backward(*operands)
     entry = backward_entry(*operands, mode, *needs)
     grads = run_backward(entry, *operands, float(scale), p, seed, mode, k_offset, *needs)

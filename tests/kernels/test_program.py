@@ -152,28 +152,30 @@ def test_the_compiled_ops_calls_replay_too(log, seed, monkeypatch):
         assert ours.data_ptr() == fresh[theirs.data_ptr()]
 
 
-@pytest.mark.parametrize("p", [0.0, 0.1])
-def test_the_compiled_ops_replay_keeps_each_scale_and_p(log, p, monkeypatch):
-    # Two layers of one layout but other alphas or dropout share the op's sites; each call's scalars reach its launches.
+@pytest.mark.parametrize(("p", "position"), [(0.0, "post"), (0.1, "post"), (0.1, "pre")])
+def test_the_compiled_ops_replay_keeps_each_calls_scalars(log, p, position, monkeypatch):
+    # Layers of one layout but another alpha, dropout p or "pre" k_offset (of one parity) share the op's sites;
+    # each call's scalars must reach its launches.
     from parallel_lora import kernels
     from parallel_lora._dropout import Dropout
 
     x, weight, lora_A, lora_B = torch.randn(40, 64), torch.randn(48, 64), torch.randn(8, 64), torch.randn(48, 8)
     seed = torch.tensor([5], dtype=torch.int64)
 
-    def floats(scale: float, q: float) -> list:
+    def scalars(scale: float, q: float, k_offset: int) -> list:
         log.clear()
-        drop = Dropout(q, seed, "post") if q else None
+        drop = Dropout(q, seed, position, k_offset) if q else None
         y, s_lora = kernels.forward(x, weight, None, lora_A, lora_B, scale, drop)
         kernels.backward(torch.randn(40, 48), x, weight, lora_A, lora_B, s_lora, scale, drop)
-        return [[a for a in args if isinstance(a, float)] for _, args in log]
+        small = (float, bool, str, type(None))  # every argument but an address
+        return [[a for a in args if isinstance(a, small) or isinstance(a, int) and abs(a) < 2**20] for _, args in log]
 
     real = program.Programs.run
-    for scale, q in ((2.5, p), (2.5, p), (0.75, p), (2.5, p / 2), (0.75, p)):
+    for call in ((2.5, p, 0), (2.5, p, 0), (0.75, p, 0), (2.5, p / 2, 0), (2.5, p, 64), (0.75, p, 0)):
         monkeypatch.setattr(program.Programs, "run", lambda self, call, operands, seed: call())
-        want = floats(scale, q)  # the launchers'
+        want = scalars(*call)  # the launchers'
         monkeypatch.setattr(program.Programs, "run", real)
-        assert floats(scale, q) == want and floats(scale, q) == want  # records (or replays), replays
+        assert scalars(*call) == want and scalars(*call) == want  # records (or replays), replays
 
 
 def test_a_replay_takes_the_new_seed_and_a_new_seed_kind_goes_back_to_the_launchers(log):
