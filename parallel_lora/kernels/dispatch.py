@@ -185,6 +185,16 @@ def _programs(kept: tuple, *scalars: float) -> Programs:
     return keep_at_most(kept[1], scalars, Programs(), 8) if programs is None else programs
 
 
+def kept_programs(key_of: Callable, operands: tuple, scale: float, dropout: Dropout | None,
+                  *needs: bool) -> Programs | None:
+    """The ``Programs`` a call without a plan records into (``forward_key`` / ``backward_key`` its sites' key), None
+    while its layout is not kept."""
+    _, p, _, k_offset, key = _prologue(scale, dropout, key_of, operands, needs)
+    sites = _FORWARD_SITES if key_of is forward_key else _BACKWARD_SITES
+    kept = sites.get(key)
+    return None if kept is None else _programs(kept, float(scale), p, k_offset)
+
+
 def _y_operand(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """W as the TMA GEMM reads it for y (``w = W^T``, as ``gemm.lora_gemm`` is called)."""
     return tma_operand(weight.t())

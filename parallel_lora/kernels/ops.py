@@ -52,6 +52,15 @@ def _backward(dy, x, weight, lora_A, lora_B, s_lora, scale, *args) -> tuple[torc
     return tuple(dy.new_empty(0) if g is None else g for g in grads)
 
 
+def _programs(direction: str, args: tuple):
+    """The ``Programs`` a call of ``_forward`` / ``_backward`` with ``args`` records into, None while its layout is
+    not kept: replay.cpp keeps it for the call's layouts and scalars."""
+    dispatch = dispatch_module()
+    if direction == "forward":
+        return dispatch.kept_programs(dispatch.forward_key, args[:5], args[5], _dropout(*args[6:10]))
+    return dispatch.kept_programs(dispatch.backward_key, args[:6], args[6], _dropout(*args[7:11]), *args[11:])
+
+
 def _forward_fake(x, weight, bias, lora_A, lora_B, *scalars):
     return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[0], lora_A.shape[0])
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import replay
 from .host import ZERO_SEEDS, keep_at_most
 from .workspace import descriptor_scratch, holding
 
@@ -160,6 +161,7 @@ class Programs:
             NOTES.notes = None
         try:
             program = build(notes, operands, seed, out, stream)
+            replay.module()  # its C++ half replays from here on (kernels/replay.cpp), built at the first record
         except Unrecordable:
             program = False
         keep_at_most(self.by_stream, stream, program, self.KEPT)

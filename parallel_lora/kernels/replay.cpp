@@ -9,8 +9,12 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
 
 #include <array>
+#include <cstring>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 using at::Tensor;
@@ -338,6 +342,237 @@ PyObject* replay(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) 
   END_HANDLE_TH_ERRORS
 }
 
+
+// ---- parallel_lora::lora_forward / lora_backward (the compiled graph's calls): their recorded programs by call ----
+
+PyObject* ops_module = nullptr;  // parallel_lora.kernels.ops: _forward, _backward, _programs
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    size_t h = k.size();
+    for (int64_t v : k) {
+      h ^= std::hash<int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    }
+    return h;
+  }
+};
+
+std::unordered_map<Key, PyObject*, KeyHash> op_programs;  // a call's layouts and scalars -> its Programs; the GIL's
+constexpr size_t OP_PROGRAMS_KEPT = 4096;
+
+void key_tensor(Key& k, const Tensor& t) {
+  if (!t.defined()) {
+    k.push_back(-1);
+    return;
+  }
+  k.push_back(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    k.push_back(t.size(d));
+    k.push_back(t.stride(d));
+  }
+  k.push_back(static_cast<int64_t>(t.scalar_type()));
+  k.push_back(static_cast<int64_t>(t.device().type()));
+  k.push_back(t.device().index());
+  k.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
+}
+
+void key_double(Key& k, double v) {
+  int64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  k.push_back(bits);
+}
+
+// The scalars every call of the op passes: scale, p, seed, position, k_offset.
+struct Scalars {
+  double scale, p;
+  const std::optional<Tensor>& seed;
+  std::string_view position;
+  int64_t k_offset;
+
+  void key(Key& k) const {
+    key_double(k, scale);
+    key_double(k, p);
+    key_tensor(k, seed.has_value() ? *seed : Tensor());
+    for (char c : position) {
+      k.push_back(c);
+    }
+    k.push_back(k_offset);
+  }
+
+  void to_python(PyObject* args, Py_ssize_t at) const {  // steals nothing: fills args[at:at + 5]
+    PyTuple_SET_ITEM(args, at, PyFloat_FromDouble(scale));
+    PyTuple_SET_ITEM(args, at + 1, PyFloat_FromDouble(p));
+    PyTuple_SET_ITEM(args, at + 2, seed.has_value() && seed->defined() ? THPVariable_Wrap(*seed) : Py_NewRef(Py_None));
+    PyTuple_SET_ITEM(args, at + 3, PyUnicode_FromStringAndSize(position.data(), position.size()));
+    PyTuple_SET_ITEM(args, at + 4, PyLong_FromLongLong(k_offset));
+  }
+
+  PyObject* seed_object() const {  // as dispatch passes it to Programs.run: None without a mask
+    return p == 0.0 || !seed.has_value() || !seed->defined() ? Py_NewRef(Py_None) : THPVariable_Wrap(*seed);
+  }
+};
+
+bool any_grad(std::initializer_list<const Tensor*> tensors) {
+  if (!at::GradMode::is_enabled()) {
+    return false;
+  }
+  for (const Tensor* t : tensors) {
+    if (t->defined() && t->requires_grad()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// ops.<name>(*args) for a call no program fits; ops._programs(direction, *args) -> Programs or None once per key.
+PyObject* op_python(const char* name, PyObject* args, Key* key, const char* direction) {
+  PyObject* fn = check(PyObject_GetAttrString(ops_module, name));
+  PyObject* result = PyObject_Call(fn, args, nullptr);
+  Py_DECREF(fn);
+  if (result == nullptr || key == nullptr) {
+    Py_DECREF(args);
+    return check(result);
+  }
+  PyObject* programs = PyObject_CallMethod(ops_module, "_programs", "sO", direction, args);
+  Py_DECREF(args);
+  if (programs == nullptr) {
+    Py_DECREF(result);
+    raise_python();
+  }
+  if (programs == Py_None) {
+    Py_DECREF(programs);
+  } else {
+    if (op_programs.size() >= OP_PROGRAMS_KEPT) {
+      for (auto& kept : op_programs) {
+        Py_DECREF(kept.second);
+      }
+      op_programs.clear();
+    }
+    op_programs.emplace(std::move(*key), programs);
+  }
+  return result;
+}
+
+// The kept Programs' program for this stream and seed, if any (borrowed).
+PyObject* op_program(const Key& key, const Tensor& first, PyObject* seed) {
+  auto found = op_programs.find(key);
+  if (found == op_programs.end()) {
+    return nullptr;
+  }
+  PyObject* by_stream = check(PyObject_GetAttrString(found->second, "by_stream"));
+  PyObject* program = stream_program(by_stream, first);
+  Py_DECREF(by_stream);
+  return program != nullptr && seed_fits(program, seed) ? program : nullptr;
+}
+
+Key op_key(std::initializer_list<const Tensor*> tensors, const Scalars& scalars) {
+  Key key;
+  key.reserve(64);
+  for (const Tensor* t : tensors) {
+    key_tensor(key, *t);
+  }
+  scalars.key(key);
+  const Tensor& first = **tensors.begin();
+  // a kernel is loaded and launched on the current device (dispatch._device_key)
+  key.push_back(first.is_cuda() ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() : -1);
+  return key;
+}
+
+std::tuple<Tensor, Tensor> op_forward(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias_,
+                                      const Tensor& lora_A, const Tensor& lora_B, double scale, double p,
+                                      const std::optional<Tensor>& seed, c10::string_view position,
+                                      int64_t k_offset) {
+  const Tensor bias = bias_.has_value() ? *bias_ : Tensor();
+  const Scalars scalars{scale, p, seed, std::string_view(position.data(), position.size()), k_offset};
+  Gil gil;
+  const bool grad = any_grad({&x, &weight, &bias, &lora_A, &lora_B});  // ops._forward refuses it
+  Key key = grad ? Key() : op_key({&x, &weight, &bias, &lora_A, &lora_B}, scalars);
+  PyObject* seed_obj = scalars.seed_object();
+  PyObject* program = grad ? nullptr : op_program(key, x, seed_obj);
+  if (program != nullptr) {
+    std::vector<Tensor> outs;
+    try {
+      outs = run_program(program, {&x, &weight, &bias, &lora_A, &lora_B, nullptr}, seed_obj, {});
+    } catch (...) {
+      Py_DECREF(seed_obj);
+      throw;
+    }
+    Py_DECREF(seed_obj);
+    return {outs[0], outs[1]};
+  }
+  Py_DECREF(seed_obj);
+  PyObject* args = check(PyTuple_New(10));
+  PyTuple_SET_ITEM(args, 0, THPVariable_Wrap(x));
+  PyTuple_SET_ITEM(args, 1, THPVariable_Wrap(weight));
+  PyTuple_SET_ITEM(args, 2, bias.defined() ? THPVariable_Wrap(bias) : Py_NewRef(Py_None));
+  PyTuple_SET_ITEM(args, 3, THPVariable_Wrap(lora_A));
+  PyTuple_SET_ITEM(args, 4, THPVariable_Wrap(lora_B));
+  scalars.to_python(args, 5);
+  const bool known = grad || op_programs.count(key) > 0;
+  PyObject* result = op_python("_forward", args, known ? nullptr : &key, "forward");
+  std::tuple<Tensor, Tensor> out{THPVariable_Unpack(PyTuple_GET_ITEM(result, 0)),
+                                 THPVariable_Unpack(PyTuple_GET_ITEM(result, 1))};
+  Py_DECREF(result);
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> op_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                               const Tensor& lora_A, const Tensor& lora_B, const Tensor& s_lora,
+                                               double scale, double p, const std::optional<Tensor>& seed,
+                                               c10::string_view position, int64_t k_offset, bool needs_dx,
+                                               bool needs_dA, bool needs_dB) {
+  const Scalars scalars{scale, p, seed, std::string_view(position.data(), position.size()), k_offset};
+  Gil gil;
+  const bool grad = any_grad({&dy, &x, &weight, &lora_A, &lora_B, &s_lora});
+  Key key = grad ? Key() : op_key({&dy, &x, &weight, &lora_A, &lora_B, &s_lora}, scalars);
+  key.insert(key.end(), {needs_dx, needs_dA, needs_dB});
+  PyObject* seed_obj = scalars.seed_object();
+  PyObject* program = grad ? nullptr : op_program(key, dy, seed_obj);
+  if (program != nullptr) {
+    std::vector<Tensor> g;
+    try {
+      g = run_program(program, {&dy, &x, &weight, &lora_A, &lora_B, &s_lora}, seed_obj, {});
+    } catch (...) {
+      Py_DECREF(seed_obj);
+      throw;
+    }
+    Py_DECREF(seed_obj);
+    for (Tensor& t : g) {
+      if (!t.defined()) {
+        t = at::empty({0}, dy.options());  // ops._backward: a gradient not asked for comes back empty
+      }
+    }
+    return {g[0], g[1], g[2]};
+  }
+  Py_DECREF(seed_obj);
+  PyObject* args = check(PyTuple_New(14));
+  const Tensor* tensors[6] = {&dy, &x, &weight, &lora_A, &lora_B, &s_lora};
+  for (int i = 0; i < 6; ++i) {
+    PyTuple_SET_ITEM(args, i, THPVariable_Wrap(*tensors[i]));
+  }
+  scalars.to_python(args, 6);
+  PyTuple_SET_ITEM(args, 11, PyBool_FromLong(needs_dx));
+  PyTuple_SET_ITEM(args, 12, PyBool_FromLong(needs_dA));
+  PyTuple_SET_ITEM(args, 13, PyBool_FromLong(needs_dB));
+  const bool known = grad || op_programs.count(key) > 0;
+  PyObject* result = op_python("_backward", args, known ? nullptr : &key, "backward");
+  std::tuple<Tensor, Tensor, Tensor> out{THPVariable_Unpack(PyTuple_GET_ITEM(result, 0)),
+                                         THPVariable_Unpack(PyTuple_GET_ITEM(result, 1)),
+                                         THPVariable_Unpack(PyTuple_GET_ITEM(result, 2))};
+  Py_DECREF(result);
+  return out;
+}
+
+void register_ops() {
+  for (auto key : {c10::DispatchKey::CUDA, c10::DispatchKey::CPU}) {
+    auto* lib = new torch::Library(torch::Library::IMPL, "parallel_lora", key, __FILE__, __LINE__);  // kept
+    lib->impl("lora_forward", TORCH_FN(op_forward));
+    lib->impl("lora_backward", TORCH_FN(op_backward));
+  }
+}
+
 PyMethodDef methods[] = {
     {"replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(replay)), METH_FASTCALL,
      "replay(state, x, weight, bias, lora_A, lora_B, seed) -> y"},
@@ -360,8 +595,19 @@ PyMODINIT_FUNC PyInit_parallel_lora_replay() {
   parameter_type = PyObject_GetAttrString(nn, "Parameter");
   Py_DECREF(torch_c);
   Py_DECREF(nn);
-  if (parameter_type == nullptr) {
+  ops_module = PyImport_ImportModule("parallel_lora.kernels.ops");
+  if (parameter_type == nullptr || ops_module == nullptr) {
     return nullptr;
   }
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr) {
+    try {
+      register_ops();
+    } catch (const std::exception& e) {
+      Py_DECREF(module);
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  return module;
 }

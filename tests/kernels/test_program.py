@@ -178,6 +178,51 @@ def test_the_compiled_ops_replay_keeps_each_calls_scalars(log, p, position, monk
         assert scalars(*call) == want and scalars(*call) == want  # records (or replays), replays
 
 
+@pytest.mark.parametrize("seed", [None, "tensor"])
+def test_the_ops_calls_replay_from_cpp(log, seed, monkeypatch):
+    # The compiled graph calls the ops themselves: replay.cpp's kernels for them replay each call's layouts and
+    # scalars, and call the Python kernels only for a call they have no program of.
+    from parallel_lora.kernels import ops, replay
+
+    assert replay.module() is not None
+    lora = torch.ops.parallel_lora
+    x, weight, lora_A, lora_B = torch.randn(40, 64), torch.randn(48, 64), torch.randn(8, 64), torch.randn(48, 8)
+    dy = torch.randn(40, 48)
+    p, seed = (0.0, None) if seed is None else (0.1, torch.tensor([5], dtype=torch.int64))
+    python = []
+    for name in ("_forward", "_backward"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=real: python.append(_n) or _f(*a))
+
+    def calls(scale: float) -> tuple:
+        y, s_lora = lora.lora_forward(x, weight, None, lora_A, lora_B, scale, p, seed, "post", 0)
+        return y, s_lora, *lora.lora_backward(dy, x, weight, lora_A, lora_B, s_lora, scale, p, seed, "post", 0,
+                                              True, True, True)  # fmt: skip
+
+    calls(2.5)  # binds
+    log.clear()
+    outputs = _recorded_outputs(monkeypatch)
+    called = calls(2.5)  # records
+    first = list(log)
+    log.clear()
+    python.clear()
+    replayed = calls(2.5)
+    assert not python
+    fresh = {}
+    _same_up_to_fresh_addresses(log, first, fresh, outputs)
+    for ours, theirs in zip(replayed, called, strict=True):
+        assert ours.data_ptr() == fresh[theirs.data_ptr()] and ours.shape == theirs.shape
+    counts = []
+    for _ in range(3):  # another scale: its own programs, recorded at its first call (the sites are filled)
+        python.clear()
+        calls(0.75)
+        counts.append(len(python))
+    assert counts == [2, 0, 0]
+    python.clear()
+    calls(2.5)
+    assert not python
+
+
 def test_a_replay_takes_the_new_seed_and_a_new_seed_kind_goes_back_to_the_launchers(log):
     layer = _layer(0.1, "post", False)
     x = torch.randn(40, 64, dtype=torch.bfloat16)
