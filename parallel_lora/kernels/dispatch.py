@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .._dropout import Dropout, check_seed
+from . import replay
 from .adapter_grads import lora_adapter_grads
 from .dx_grads import lora_dx_and_grads
 from .gemm import lora_gemm
@@ -177,6 +178,7 @@ def clear_sites() -> None:
     """Forget every layout's launch sites (callers without a plan): the next calls check and choose again."""
     _FORWARD_SITES.clear()
     _BACKWARD_SITES.clear()
+    replay.forget()
 
 
 def _programs(kept: tuple, *scalars: float) -> Programs:

@@ -360,7 +360,14 @@ struct KeyHash {
 };
 
 std::unordered_map<Key, PyObject*, KeyHash> op_programs;  // a call's layouts and scalars -> its Programs; the GIL's
-constexpr size_t OP_PROGRAMS_KEPT = 4096;
+constexpr size_t OP_PROGRAMS_KEPT = 1024;
+
+void forget_op_programs() {
+  for (auto& kept : op_programs) {
+    Py_DECREF(kept.second);
+  }
+  op_programs.clear();
+}
 
 void key_tensor(Key& k, const Tensor& t) {
   if (!t.defined()) {
@@ -445,10 +452,7 @@ PyObject* op_python(const char* name, PyObject* args, Key* key, const char* dire
     Py_DECREF(programs);
   } else {
     if (op_programs.size() >= OP_PROGRAMS_KEPT) {
-      for (auto& kept : op_programs) {
-        Py_DECREF(kept.second);
-      }
-      op_programs.clear();
+      forget_op_programs();
     }
     op_programs.emplace(std::move(*key), programs);
   }
@@ -573,9 +577,15 @@ void register_ops() {
   }
 }
 
+PyObject* forget(PyObject* /*module*/, PyObject* /*unused*/) {
+  forget_op_programs();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"replay", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(replay)), METH_FASTCALL,
      "replay(state, x, weight, bias, lora_A, lora_B, seed) -> y"},
+    {"forget", forget, METH_NOARGS, "forget() -> None: drop the ops' kept programs (dispatch.clear_sites)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "parallel_lora_replay", nullptr, -1, methods};

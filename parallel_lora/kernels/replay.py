@@ -24,8 +24,15 @@ def module():
     where = Path(root) / f"parallel_lora_replay-{digest}"
     try:
         where.mkdir(parents=True, exist_ok=True)
-        log.info("parallel_lora: building the C++ replay in %s (once per torch version)", where)
+        if not (where / "parallel_lora_replay.so").exists():
+            log.info("parallel_lora: building the C++ replay in %s (once per torch version)", where)
         return load("parallel_lora_replay", [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(where))
     except Exception as e:  # no compiler or headers: calls replay from Python, a few microseconds slower
         log.warning("parallel_lora: the C++ replay could not be built, so calls replay from Python: %s", e)
         return None
+
+
+def forget() -> None:
+    """Drop the programs the ops' C++ kernels keep, where the extension is loaded (``dispatch.clear_sites``)."""
+    if module.cache_info().currsize and module() is not None:
+        module().forget()
