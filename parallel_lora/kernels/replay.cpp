@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <optional>
 #include <cstring>
 #include <string_view>
 #include <unordered_map>
@@ -24,7 +25,7 @@ using torch::autograd::variable_list;
 
 namespace {
 
-PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream, or None on a build without CUDA
+PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream; null on a build without CUDA
 PyObject* parameter_type = nullptr;  // torch.nn.Parameter
 
 struct Gil {  // holds the GIL for a scope (the backward runs on autograd's threads)
@@ -125,7 +126,8 @@ std::vector<Tensor> run_program(PyObject* program, const std::array<const Tensor
   }
   const Py_ssize_t n_const = PyTuple_GET_SIZE(consts);
   const Py_ssize_t n_pool = n_const + ops.size() + fresh.size() + (seed == Py_None ? 0 : 1);
-  PyObject* pool = check(PyTuple_New(n_pool));
+  const Ref owned(check(PyTuple_New(n_pool)));
+  PyObject* pool = owned.p;
   Py_ssize_t at = 0;
   for (; at < n_const; ++at) {
     PyObject* c = PyTuple_GET_ITEM(consts, at);
@@ -133,12 +135,7 @@ std::vector<Tensor> run_program(PyObject* program, const std::array<const Tensor
     PyTuple_SET_ITEM(pool, at, c);
   }
   auto put_address = [&](const Tensor& t) {
-    PyObject* a = PyLong_FromVoidPtr(t.data_ptr());
-    if (a == nullptr) {
-      Py_DECREF(pool);
-      raise_python();
-    }
-    PyTuple_SET_ITEM(pool, at++, a);
+    PyTuple_SET_ITEM(pool, at++, check(PyLong_FromVoidPtr(t.data_ptr())));
   };
   for (const Tensor* t : ops) {
     put_address(*t);
@@ -157,20 +154,9 @@ std::vector<Tensor> run_program(PyObject* program, const std::array<const Tensor
   const Py_ssize_t n_launch = PyTuple_GET_SIZE(launches);
   for (Py_ssize_t i = 0; i < n_launch; ++i) {
     PyObject* launch = PyTuple_GET_ITEM(launches, i);
-    PyObject* args = PyObject_CallOneArg(PyTuple_GET_ITEM(launch, 1), pool);
-    if (args == nullptr) {
-      Py_DECREF(pool);
-      raise_python();
-    }
-    PyObject* done = PyObject_Call(PyTuple_GET_ITEM(launch, 0), args, nullptr);
-    Py_DECREF(args);
-    if (done == nullptr) {
-      Py_DECREF(pool);
-      raise_python();
-    }
-    Py_DECREF(done);
+    const Ref args(check(PyObject_CallOneArg(PyTuple_GET_ITEM(launch, 1), pool)));
+    Py_DECREF(check(PyObject_Call(PyTuple_GET_ITEM(launch, 0), args.p, nullptr)));
   }
-  Py_DECREF(pool);
   std::vector<Tensor> out(n_out);
   for (Py_ssize_t i = 0; i < n_out; ++i) {
     PyObject* slot = PyTuple_GET_ITEM(outputs, i);
@@ -471,6 +457,17 @@ PyObject* op_program(const Key& key, const Tensor& first, PyObject* seed) {
   return program != nullptr && seed_fits(program, seed) ? program : nullptr;
 }
 
+// The call's outputs from the kept program that fits it (``operands[0]``'s stream, the seed's kind), else nullopt.
+std::optional<std::vector<Tensor>> op_replay(const Key& key, const std::array<const Tensor*, 6>& operands,
+                                             const Scalars& scalars) {
+  const Ref seed(scalars.seed_object());
+  PyObject* program = op_program(key, *operands[0], seed.p);
+  if (program == nullptr) {
+    return std::nullopt;
+  }
+  return run_program(program, operands, seed.p, {});
+}
+
 Key op_key(std::initializer_list<const Tensor*> tensors, const Scalars& scalars) {
   Key key;
   key.reserve(64);
@@ -493,20 +490,11 @@ std::tuple<Tensor, Tensor> op_forward(const Tensor& x, const Tensor& weight, con
   Gil gil;
   const bool grad = any_grad({&x, &weight, &bias, &lora_A, &lora_B});  // ops._forward refuses it
   Key key = grad ? Key() : op_key({&x, &weight, &bias, &lora_A, &lora_B}, scalars);
-  PyObject* seed_obj = scalars.seed_object();
-  PyObject* program = grad ? nullptr : op_program(key, x, seed_obj);
-  if (program != nullptr) {
-    std::vector<Tensor> outs;
-    try {
-      outs = run_program(program, {&x, &weight, &bias, &lora_A, &lora_B, nullptr}, seed_obj, {});
-    } catch (...) {
-      Py_DECREF(seed_obj);
-      throw;
+  if (!grad) {
+    if (auto outs = op_replay(key, {&x, &weight, &bias, &lora_A, &lora_B, nullptr}, scalars)) {
+      return {(*outs)[0], (*outs)[1]};
     }
-    Py_DECREF(seed_obj);
-    return {outs[0], outs[1]};
   }
-  Py_DECREF(seed_obj);
   PyObject* args = check(PyTuple_New(10));
   PyTuple_SET_ITEM(args, 0, THPVariable_Wrap(x));
   PyTuple_SET_ITEM(args, 1, THPVariable_Wrap(weight));
@@ -532,25 +520,16 @@ std::tuple<Tensor, Tensor, Tensor> op_backward(const Tensor& dy, const Tensor& x
   const bool grad = any_grad({&dy, &x, &weight, &lora_A, &lora_B, &s_lora});
   Key key = grad ? Key() : op_key({&dy, &x, &weight, &lora_A, &lora_B, &s_lora}, scalars);
   key.insert(key.end(), {needs_dx, needs_dA, needs_dB});
-  PyObject* seed_obj = scalars.seed_object();
-  PyObject* program = grad ? nullptr : op_program(key, dy, seed_obj);
-  if (program != nullptr) {
-    std::vector<Tensor> g;
-    try {
-      g = run_program(program, {&dy, &x, &weight, &lora_A, &lora_B, &s_lora}, seed_obj, {});
-    } catch (...) {
-      Py_DECREF(seed_obj);
-      throw;
-    }
-    Py_DECREF(seed_obj);
-    for (Tensor& t : g) {
-      if (!t.defined()) {
-        t = at::empty({0}, dy.options());  // ops._backward: a gradient not asked for comes back empty
+  if (!grad) {
+    if (auto g = op_replay(key, {&dy, &x, &weight, &lora_A, &lora_B, &s_lora}, scalars)) {
+      for (Tensor& t : *g) {
+        if (!t.defined()) {
+          t = at::empty({0}, dy.options());  // ops._backward: a gradient not asked for comes back empty
+        }
       }
+      return {(*g)[0], (*g)[1], (*g)[2]};
     }
-    return {g[0], g[1], g[2]};
   }
-  Py_DECREF(seed_obj);
   PyObject* args = check(PyTuple_New(14));
   const Tensor* tensors[6] = {&dy, &x, &weight, &lora_A, &lora_B, &s_lora};
   for (int i = 0; i < 6; ++i) {
